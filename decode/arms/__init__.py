@@ -1,0 +1,5 @@
+"""Arms (proposers). Importing this package registers every built-in arm by name."""
+from . import model, ngram, none, suffix  # noqa: F401  (registration side effects)
+from .base import Arm, ArmEnv, arm_names, build_arm
+
+__all__ = ["Arm", "ArmEnv", "arm_names", "build_arm"]

@@ -1,0 +1,77 @@
+"""Arm (proposer) interface and the registry that maps ``name[:key=value,...]`` specs to arms."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..draft import Draft
+from ..errors import UserError
+from ..sampling import SamplingConfig
+from ..specs import parse_spec
+
+# keep_going(position i (0-based), drafter's distribution row or None) -> draft another token?
+# Draft-length controllers (fixed L, Beta-TS, Cali-TS) plug in here.
+KeepGoing = Callable[[int, "torch.Tensor | None"], bool]
+
+
+@dataclass
+class ArmEnv:
+    """What an arm may use: the target (read-only), decoding config, randomness."""
+
+    target_model: object
+    target_tokenizer: object
+    sampling: SamplingConfig
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    target_name: str = "target"
+    trust_remote_code: bool = False
+
+
+class Arm:
+    """A proposer. ``propose`` returns at most ``max_len`` tokens continuing ``context``."""
+
+    name: str = "arm"
+    uses_target_hidden: bool = False
+
+    def __init__(self, L: int):
+        if L < 0:
+            raise UserError(f"speculation length L must be >= 0, got {L}")
+        self.L = int(L)
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Start a new query (per-query state such as indexes and caches)."""
+
+    def propose(self, context: list[int], max_len: int, keep_going: KeepGoing | None = None) -> Draft:
+        raise NotImplementedError
+
+    def observe(self, context: list[int], hidden: torch.Tensor | None = None) -> None:
+        """Called after each round with the committed context (and target hidden states if asked)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.L}"
+
+
+_REGISTRY: dict[str, Callable[..., Arm]] = {}
+
+
+def register(name: str):
+    def deco(factory):
+        _REGISTRY[name] = factory
+        return factory
+    return deco
+
+
+def arm_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_arm(spec: str, env: ArmEnv) -> Arm:
+    name, params = parse_spec(spec)
+    if name not in _REGISTRY:
+        raise UserError(f"unknown arm '{name}' in '{spec}'; known arms: {', '.join(arm_names())}")
+    try:
+        return _REGISTRY[name](env, **params)
+    except TypeError as exc:
+        raise UserError(f"arm '{spec}': bad parameters ({exc})") from exc

@@ -1,0 +1,83 @@
+"""Independent small drafter model (any HF causal LM with the target's vocabulary).
+
+It keeps its own KV cache and the list of tokens in it. Before drafting it rolls its cache back to
+the longest common prefix with the committed context and feeds whatever it missed (tokens other
+arms produced while it was idle); that catch-up happens inside ``propose`` so it counts as this
+arm's draft time — the switching cost MetaSD describes.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from ..draft import Draft
+from ..models import check_vocab_compatible, load_model
+from ..sampling import SamplingConfig, choose_token
+from ..target import crop_cache
+from .base import Arm, ArmEnv, register
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DrafterModelArm(Arm):
+    name = "drafter"
+
+    def __init__(self, model, sampling: SamplingConfig, L: int = 4, generator: torch.Generator | None = None,
+                 label: str | None = None):
+        super().__init__(L)
+        self.model = model.eval()
+        self.sampling = sampling
+        self.generator = generator
+        self.device = next(model.parameters()).device
+        self._label = label
+        self.cache = DynamicCache()
+        self.cache_tokens: list[int] = []
+
+    @property
+    def label(self) -> str:
+        return self._label or f"drafter@{self.L}"
+
+    def reset(self, prompt_ids):
+        self.cache = DynamicCache()
+        self.cache_tokens = []
+
+    @torch.inference_mode()
+    def _feed(self, ids: list[int]) -> torch.Tensor:
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True)
+        self.cache_tokens.extend(ids)
+        return out.logits[0, -1].float()
+
+    def propose(self, context, max_len, keep_going=None) -> Draft:
+        L = min(self.L, max_len)
+        if L <= 0:
+            return Draft.empty()
+        keep = min(_common_prefix(self.cache_tokens, context), len(context) - 1)
+        crop_cache(self.cache, keep)
+        del self.cache_tokens[keep:]
+        logits = self._feed(context[keep:])  # catch-up + first draft position in one forward
+        tokens, dists = [], []
+        for i in range(L):
+            if i > 0:
+                if keep_going is not None and not keep_going(i, dists[-1]):
+                    break
+                logits = self._feed([tokens[-1]])
+            tok, dist = choose_token(logits, self.sampling, self.generator)
+            tokens.append(int(tok))
+            dists.append(dist)
+        return Draft(torch.tensor(tokens), q=torch.stack(dists))
+
+
+@register("drafter")
+def _make(env: ArmEnv, path: str, L: int = 4, name: str | None = None):
+    model, tok = load_model(path, trust_remote_code=env.trust_remote_code)
+    check_vocab_compatible(env.target_tokenizer, tok, target_name=env.target_name, drafter_name=path,
+                           target_vocab_size=env.target_model.get_output_embeddings().weight.shape[0],
+                           drafter_vocab_size=model.get_output_embeddings().weight.shape[0])
+    return DrafterModelArm(model, env.sampling, L, env.generator, label=name or f"drafter[{path}]@{L}")

@@ -1,0 +1,89 @@
+"""The BanditSpec loop: select arm → draft → verify → accept → roll back caches → update policy."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .arms.base import Arm
+from .draft import RoundRecord
+from .errors import UserError
+from .length import LengthController
+from .policies.base import Policy
+from .target import Target
+from .verify import Verifier
+
+
+@dataclass
+class Generation:
+    prompt_len: int
+    tokens: list[int]  # new tokens only
+    rounds: list[RoundRecord] = field(default_factory=list)
+    wall_time: float = 0.0  # prefill + all rounds
+    stopped_by: str = "length"  # "eos" | "length"
+
+    @property
+    def target_forwards(self) -> int:
+        return len(self.rounds)
+
+
+class SpecEngine:
+    def __init__(self, target: Target, arms: list[Arm], verifier: Verifier, eos_token_ids=()):
+        if not arms:
+            raise UserError("the engine needs at least one arm")
+        self.target = target
+        self.arms = arms
+        self.verifier = verifier
+        self.eos = set(int(e) for e in eos_token_ids)
+        self.max_len = max(a.L for a in arms)
+
+    def generate(self, prompt_ids: list[int], policy: Policy, max_new_tokens: int,
+                 length: LengthController | None = None, reset_policy: bool = True) -> Generation:
+        if max_new_tokens <= 0:
+            raise UserError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+        if len(prompt_ids) == 0:
+            raise UserError("empty prompt: there is nothing to continue")
+        if policy.K != len(self.arms):
+            raise ValueError(f"policy built for {policy.K} arms, engine has {len(self.arms)}")
+        length = length or LengthController()
+        start = time.perf_counter()
+        if reset_policy:
+            policy.reset()
+        length.reset()
+        for arm in self.arms:
+            arm.reset(prompt_ids)
+        self.target.prefill(prompt_ids)
+        ctx = list(prompt_ids)
+        gen = Generation(len(prompt_ids), [])
+        while len(gen.tokens) < max_new_tokens:
+            i = policy.select()
+            arm = self.arms[i]
+            remaining = max_new_tokens - len(gen.tokens)
+            t0 = time.perf_counter()
+            draft = arm.propose(ctx, min(arm.L, remaining - 1), length.keep_going())
+            t1 = time.perf_counter()
+            n = len(ctx)
+            scored = self.target.score(ctx[-1], draft.tokens)
+            outcome = self.verifier.verify(scored.logits, draft)
+            self.target.rollback(n + outcome.accepted)
+            t2 = time.perf_counter()
+            new = outcome.tokens[:remaining]
+            for j, tok in enumerate(new):
+                if tok in self.eos:
+                    new = new[:j + 1]
+                    gen.stopped_by = "eos"
+                    break
+            ctx.extend(new)
+            gen.tokens.extend(new)
+            rec = RoundRecord(arm=i, drafted=len(draft), accepted=outcome.accepted, new_tokens=len(new),
+                              draft_time=t1 - t0, verify_time=t2 - t1, tv=outcome.tv,
+                              accept_prob=outcome.accept_prob, max_len=arm.L)
+            gen.rounds.append(rec)
+            policy.update(i, rec)
+            length.update(len(draft), outcome)
+            hidden = scored.hidden[:outcome.accepted + 1] if scored.hidden is not None else None
+            for a in self.arms:
+                a.observe(ctx, hidden if a.uses_target_hidden else None)
+            if gen.stopped_by == "eos":
+                break
+        gen.wall_time = time.perf_counter() - start
+        return gen

@@ -1,0 +1,41 @@
+"""UCBSpec (BanditSpec Alg. 4): round-robin start, then the largest mean tokens-per-round + radius.
+
+cr_{i,t} = (L/2)·sqrt((1+n)/n² · (1 + 2·log(K·t²·sqrt(1+n)/δ))), with Y = tokens the round produced.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .base import Policy, register
+
+
+def ucbspec_radius(L: int, n: int, t: int, K: int, delta: float) -> float:
+    return (L / 2) * math.sqrt((1 + n) / n ** 2 * (1 + 2 * math.log(K * t ** 2 * math.sqrt(1 + n) / delta)))
+
+
+@register("ucbspec")
+class UCBSpec(Policy):
+    name = "ucbspec"
+
+    def __init__(self, n_arms, max_len, seed=0, delta: float = 0.5):
+        self.delta = float(delta)
+        super().__init__(n_arms, max_len, seed)
+
+    def reset(self):
+        super().reset()
+        self.sum_y = np.zeros(self.K)
+
+    def _update(self, arm, record):
+        self.sum_y[arm] += record.y
+
+    def scores(self) -> np.ndarray:
+        mean = self.sum_y / self.pulls
+        cr = np.array([ucbspec_radius(self.L, int(n), self.t, self.K, self.delta) for n in self.pulls])
+        return mean + cr
+
+    def select(self) -> int:
+        if self.t < self.K:  # rounds 1..K: each arm once
+            return self.t
+        return int(np.argmax(self.scores()))

@@ -1,0 +1,60 @@
+"""Verification: turns target logits + a draft into an Outcome. ``Verifier`` dispatches backends."""
+from __future__ import annotations
+
+import torch
+
+from ..draft import Draft, Outcome
+from ..errors import UserError
+from ..sampling import SamplingConfig
+from .reference import VerifyResult, verify_reference
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _fused_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        from . import fused  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Verifier:
+    """Lossless verification of a draft against target logits.
+
+    backend: "auto" (fused Triton kernel on CUDA, PyTorch reference elsewhere), "torch", "triton".
+    """
+
+    def __init__(self, cfg: SamplingConfig, backend: str = "auto", generator: torch.Generator | None = None):
+        if backend not in BACKENDS:
+            raise UserError(f"--verifier must be one of {', '.join(BACKENDS)}, got '{backend}'")
+        self.cfg = cfg
+        self.backend = backend
+        self.generator = generator
+
+    def _fn(self, device: torch.device):
+        use_fused = self.backend == "triton" or (self.backend == "auto" and _fused_available(device))
+        if use_fused:
+            from .fused import verify_fused
+            return verify_fused
+        return verify_reference
+
+    def verify_batch(self, target_logits, draft_tokens, draft_probs, uniforms=None) -> VerifyResult:
+        if uniforms is None and not self.cfg.greedy:
+            B, L1 = target_logits.shape[:2]
+            uniforms = torch.rand(B, L1, generator=self.generator).to(target_logits.device)
+        return self._fn(target_logits.device)(target_logits, draft_tokens, draft_probs, self.cfg, uniforms)
+
+    def verify(self, target_logits: torch.Tensor, draft: Draft) -> Outcome:
+        """One sequence: target_logits [L+1, V] at [last token] + draft."""
+        res = self.verify_batch(target_logits.unsqueeze(0), draft.tokens.unsqueeze(0).to(target_logits.device),
+                                None if draft.q is None else draft.q.unsqueeze(0))
+        a = int(res.accepted[0])
+        scored = min(a + 1, len(draft))
+        tokens = draft.tokens[:a].tolist() + [int(res.next_token[0])]
+        return Outcome(a, tokens, res.accept_prob[0, :scored].tolist(), res.tv[0, :scored].tolist())
+
+
+__all__ = ["Verifier", "VerifyResult", "verify_reference", "BACKENDS"]

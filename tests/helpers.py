@@ -1,0 +1,44 @@
+"""Tiny randomly initialised models and a tokenizer stand-in for fast CPU tests."""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+
+class TinyTokenizer:
+    """Just enough of a tokenizer for vocab checks: an id map over ``vocab`` symbols."""
+
+    def __init__(self, vocab: int, prefix: str = "t"):
+        self._vocab = {f"{prefix}{i}": i for i in range(vocab)}
+        self.eos_token_id = None
+
+    def get_vocab(self):
+        return dict(self._vocab)
+
+
+def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0, peaked: float = 1.0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg).eval()
+    if peaked != 1.0:
+        with torch.no_grad():
+            m.lm_head.weight.mul_(peaked)
+    return m
+
+
+def tiny_qwen(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+@torch.inference_mode()
+def plain_greedy(model, prompt: list[int], n: int, eos: set[int] = frozenset()) -> list[int]:
+    """Reference: HF generate, greedy, no cache tricks."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=0,
+                         eos_token_id=list(eos) or None, pad_token_id=0)
+    toks = out[0, len(prompt):].tolist()
+    return toks

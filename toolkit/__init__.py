@@ -1,0 +1,1 @@
+"""toolkit: builds artifacts (datasets, drafters, heads, predictors) for the decode runtime."""
