@@ -1,0 +1,36 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def smol_path():
+    """Local folder of the default target (GGUF converted once into the user cache)."""
+    from decode.models import DEFAULT_TARGET, resolve_path
+    return resolve_path(DEFAULT_TARGET)
+
+
+@pytest.fixture(scope="session")
+def smol(smol_path):
+    from decode.models import load_model
+    return load_model(smol_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smol_path):
+    """A tiny random Llama with the default target's tokenizer: fast CLI runs with real text I/O."""
+    from transformers import AutoTokenizer
+    from helpers import tiny_llama
+    d = tmp_path_factory.mktemp("tiny_target")
+    tok = AutoTokenizer.from_pretrained(smol_path)
+    m = tiny_llama(vocab=len(tok), hidden=32, layers=2, seed=3)
+    m.config.eos_token_id = tok.eos_token_id
+    m.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)

