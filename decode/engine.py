@@ -10,6 +10,7 @@ from .errors import UserError
 from .length import LengthController
 from .policies.base import Policy
 from .target import Target
+from .traces import MODES, ArmStep, Trace, TraceStep, counterfactual_round, dense_trace
 from .verify import Verifier
 
 
@@ -18,8 +19,9 @@ class Generation:
     prompt_len: int
     tokens: list[int]  # new tokens only
     rounds: list[RoundRecord] = field(default_factory=list)
-    wall_time: float = 0.0  # prefill + all rounds
+    wall_time: float = 0.0  # prefill + all rounds (+ trace recording when asked)
     stopped_by: str = "length"  # "eos" | "length"
+    trace: Trace | None = None  # counterfactual trace when generate(..., trace=MODE)
 
     @property
     def target_forwards(self) -> int:
@@ -37,27 +39,40 @@ class SpecEngine:
         self.max_len = max(a.L for a in arms)
 
     def generate(self, prompt_ids: list[int], policy: Policy, max_new_tokens: int,
-                 length: LengthController | None = None, reset_policy: bool = True) -> Generation:
+                 length: LengthController | None = None, reset_policy: bool = True,
+                 trace: str | bool | None = None) -> Generation:
+        """Decode one prompt.
+
+        reset_policy: start the query with ``policy.new_query()`` (re-initialises it unless it was
+            built with carry=true); False leaves the policy exactly as it is.
+        trace: None/False, "rounds" (or True) or "dense": also record a counterfactual trace of what
+            every arm would have produced (decode/traces.py) in ``Generation.trace``.
+        """
         if max_new_tokens <= 0:
             raise UserError(f"max_new_tokens must be > 0, got {max_new_tokens}")
         if len(prompt_ids) == 0:
             raise UserError("empty prompt: there is nothing to continue")
         if policy.K != len(self.arms):
             raise ValueError(f"policy built for {policy.K} arms, engine has {len(self.arms)}")
+        mode = "rounds" if trace is True else (trace or None)
+        if mode is not None and mode not in MODES:
+            raise UserError(f"trace must be one of {', '.join(MODES)}, got '{trace}'")
         length = length or LengthController()
         start = time.perf_counter()
         if reset_policy:
-            policy.reset()
+            policy.new_query()
         length.reset()
         for arm in self.arms:
             arm.reset(prompt_ids)
         self.target.prefill(prompt_ids)
         ctx = list(prompt_ids)
         gen = Generation(len(prompt_ids), [])
+        steps: list[TraceStep] = []
         while len(gen.tokens) < max_new_tokens:
             i = policy.select()
             arm = self.arms[i]
             remaining = max_new_tokens - len(gen.tokens)
+            cf = counterfactual_round(self, ctx, remaining, skip=i) if mode == "rounds" else None
             t0 = time.perf_counter()
             draft = arm.propose(ctx, min(arm.L, remaining - 1), length.keep_going())
             t1 = time.perf_counter()
@@ -72,6 +87,10 @@ class SpecEngine:
                     new = new[:j + 1]
                     gen.stopped_by = "eos"
                     break
+            if cf is not None:
+                cf[i] = ArmStep(outcome.accepted + 1, len(draft), outcome.accepted, t1 - t0, t2 - t1,
+                                list(outcome.tv), list(outcome.accept_prob))
+                steps.append(TraceStep(len(gen.tokens), cf, i))
             ctx.extend(new)
             gen.tokens.extend(new)
             rec = RoundRecord(arm=i, drafted=len(draft), accepted=outcome.accepted, new_tokens=len(new),
@@ -81,9 +100,20 @@ class SpecEngine:
             policy.update(i, rec)
             length.update(len(draft), outcome)
             hidden = scored.hidden[:outcome.accepted + 1] if scored.hidden is not None else None
+            if hidden is not None:
+                length.observe_target(hidden[-1])
             for a in self.arms:
                 a.observe(ctx, hidden if a.uses_target_hidden else None)
             if gen.stopped_by == "eos":
                 break
+        if mode == "rounds":
+            gen.trace = Trace("rounds", len(prompt_ids), max_new_tokens, len(gen.tokens), gen.stopped_by,
+                              [a.label for a in self.arms], [a.L for a in self.arms], steps)
+        elif mode == "dense":
+            starts, pos = {}, 0
+            for r in gen.rounds:
+                starts[pos] = r.arm
+                pos += r.new_tokens
+            gen.trace = dense_trace(self, prompt_ids, gen.tokens, max_new_tokens, gen.stopped_by, starts)
         gen.wall_time = time.perf_counter() - start
         return gen

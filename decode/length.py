@@ -1,8 +1,26 @@
-"""Draft-length controllers (within a round). The engine asks one for a ``keep_going`` callback
-before each draft and reports the verification outcome after it."""
+"""Draft-length controllers (within a round, ALGORITHMS.md §4). They compose with any arm and any
+arm-selection policy: the engine asks for a fresh ``keep_going`` callback before each draft, the arm
+calls it before drafting token i ≥ 1 (token 0 is always drafted, the arm's L is the hard cap), and
+the engine reports the verification outcome with ``update``.
+
+Callback: ``keep_going(i, dist_row, hidden=None) -> bool``; ``dist_row`` is the drafter's
+distribution that produced token i−1 (None for deterministic arms such as PLD), ``hidden`` the
+drafter's hidden state for token i−1 when the arm has one.
+
+Specs: ``fixed``, ``beta-ts:alpha=1,beta=1,seed=0``, ``cali-ts:sigma_m=0.2,sigma_s=0.5,theta0=0.6``.
+State resets per query unless ``carry=true``. Randomness comes from a seeded numpy Generator.
+"""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
 from .draft import Outcome
+from .errors import UserError
+from .specs import parse_spec
 
 
 class LengthController:
@@ -10,8 +28,20 @@ class LengthController:
 
     name = "fixed"
 
+    def __init__(self, seed: int = 0, carry: bool = False):
+        self.seed = seed
+        self.carry = bool(carry)
+        self.rng = np.random.default_rng(seed)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """(Re)initialise learnt state."""
+
     def reset(self) -> None:
-        """New query."""
+        """New query: forget what was learnt unless ``carry``."""
+        if not self.carry:
+            self.rng = np.random.default_rng(self.seed)
+            self._init_state()
 
     def keep_going(self):
         """Callback for ``Arm.propose`` (None = never stop early)."""
@@ -19,3 +49,141 @@ class LengthController:
 
     def update(self, drafted: int, outcome: Outcome) -> None:
         """Learn from the round just verified."""
+
+    def observe_target(self, hidden) -> None:
+        """Target's last-layer hidden state at the last verified position (only when the target
+        computes hidden states); Cali-TS passes it to its predictor."""
+
+
+class BetaTS(LengthController):
+    """EESD Alg. 2: before each further draft token sample θ ~ Beta(α, β), χ ~ Bernoulli(θ); stop
+    when χ = 0.
+
+    Update convention: |Q_d| = drafted tokens, |Q_v| = accepted + 1 (tokens the round yields,
+    bonus included). Successes r = |Q_v| − 1 = accepted; trials n = min(|Q_v|, |Q_d|) = the scored
+    positions; so α += accepted and β += n − r = 1{a draft token was rejected}.
+    """
+
+    name = "beta-ts"
+
+    def __init__(self, alpha: float = 1.0, beta: float = 1.0, seed: int = 0, carry: bool = False):
+        if alpha <= 0 or beta <= 0:
+            raise UserError(f"beta-ts: alpha and beta must be > 0, got {alpha}, {beta}")
+        self.alpha0, self.beta0 = float(alpha), float(beta)
+        super().__init__(seed, carry)
+
+    def _init_state(self):
+        self.alpha, self.beta = self.alpha0, self.beta0
+
+    def keep_going(self):
+        def cb(i, row=None, hidden=None):
+            theta = self.rng.beta(self.alpha, self.beta)
+            return bool(self.rng.random() < theta)
+        return cb
+
+    def update(self, drafted, outcome):
+        if drafted <= 0:
+            return
+        self.alpha += outcome.accepted
+        self.beta += 1.0 if outcome.accepted < drafted else 0.0
+
+
+@dataclass
+class CaliContext:
+    """What a calibration predictor may look at for the i-th draft token (i ≥ 1)."""
+
+    i: int
+    dist_row: object | None  # drafter distribution that produced token i−1 ([V] tensor) or None
+    draft_hidden: object | None  # drafter hidden state for token i−1, when the arm provides it
+    target_hidden: object | None  # target last-layer hidden at the last verified position, if computed
+
+
+Predictor = Callable[[CaliContext], float]
+
+
+def top1_predictor(ctx: CaliContext) -> float | None:
+    """Default θ_M: the drafter's own top-1 probability for the previous draft token (None when the
+    arm is deterministic and has no distribution; Cali-TS then uses θ̂_0)."""
+    if ctx.dist_row is None:
+        return None
+    return float(ctx.dist_row.max())
+
+
+class CaliTS(LengthController):
+    """EESD Alg. 3: Gaussian posterior mixing a predictor's θ_M with the observed acceptance rate.
+
+    n = verified rounds so far (rounds that drafted ≥ 1 token), θ̂ = accepted / scored draft
+    positions over those rounds (θ̂_0 before any):
+      μ = σ_S²/(nσ_M² + σ_S²)·θ_M + nσ_M²/(nσ_M² + σ_S²)·θ̂,  σ² = σ_M²σ_S²/(σ_S² + nσ_M²);
+      θ ~ N(μ, σ²), χ ~ Bernoulli(clip(θ, 0, 1)); stop when χ = 0.
+    ``predictor`` is any callable CaliContext → θ_M (or None = fall back to θ̂_0); a trained
+    calibration head plugs in here.
+    """
+
+    name = "cali-ts"
+
+    def __init__(self, sigma_m: float = 0.2, sigma_s: float = 0.5, theta0: float = 0.6,
+                 predictor: Predictor | None = None, seed: int = 0, carry: bool = False):
+        if sigma_m <= 0 or sigma_s <= 0:
+            raise UserError(f"cali-ts: sigma_m and sigma_s must be > 0, got {sigma_m}, {sigma_s}")
+        if not 0 <= theta0 <= 1:
+            raise UserError(f"cali-ts: theta0 must be in [0, 1], got {theta0}")
+        self.sigma_m, self.sigma_s, self.theta0 = float(sigma_m), float(sigma_s), float(theta0)
+        self.predictor = predictor or top1_predictor
+        super().__init__(seed, carry)
+
+    def _init_state(self):
+        self.n = 0
+        self.acc = 0
+        self.scored = 0
+        self.target_hidden = None
+
+    @property
+    def theta_hat(self) -> float:
+        return self.acc / self.scored if self.scored else self.theta0
+
+    def posterior(self, theta_m: float) -> tuple[float, float]:
+        """(μ, σ) of the Gaussian posterior given the predictor's θ_M."""
+        vm, vs, n = self.sigma_m ** 2, self.sigma_s ** 2, self.n
+        mu = vs / (n * vm + vs) * theta_m + n * vm / (n * vm + vs) * self.theta_hat
+        return mu, math.sqrt(vm * vs / (vs + n * vm))
+
+    def keep_going(self):
+        def cb(i, row=None, hidden=None):
+            theta_m = self.predictor(CaliContext(i, row, hidden, self.target_hidden))
+            mu, sigma = self.posterior(self.theta0 if theta_m is None else float(theta_m))
+            theta = min(1.0, max(0.0, self.rng.normal(mu, sigma)))
+            return bool(self.rng.random() < theta)
+        return cb
+
+    def update(self, drafted, outcome):
+        if drafted <= 0:
+            return
+        self.n += 1
+        self.acc += outcome.accepted
+        self.scored += min(outcome.accepted + 1, drafted)
+
+    def observe_target(self, hidden):
+        self.target_hidden = hidden
+
+
+_REGISTRY: dict[str, Callable[..., LengthController]] = {
+    "fixed": LengthController, "beta-ts": BetaTS, "cali-ts": CaliTS}
+
+
+def length_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_length(spec: str | None, seed: int = 0) -> LengthController:
+    """``"beta-ts:alpha=2"`` → a controller (None/"" → fixed). ``seed`` is used unless the spec sets one."""
+    if not spec:
+        return LengthController(seed)
+    name, params = parse_spec(spec)
+    if name not in _REGISTRY:
+        raise UserError(f"unknown length controller '{name}' in '{spec}'; known: {', '.join(length_names())}")
+    params.setdefault("seed", seed)
+    try:
+        return _REGISTRY[name](**params)
+    except TypeError as exc:
+        raise UserError(f"length controller '{spec}': bad parameters ({exc})") from exc

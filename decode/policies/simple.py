@@ -7,13 +7,11 @@ from .base import Policy, register
 
 @register("fixed")
 class Fixed(Policy):
-    name = "fixed"
-
-    def __init__(self, n_arms, max_len, seed=0, arm: int = 0):
+    def __init__(self, n_arms, max_len, seed=0, arm: int = 0, **kw):
         if not 0 <= arm < n_arms:
             raise UserError(f"fixed: arm index {arm} out of range for {n_arms} arms")
         self.arm = arm
-        super().__init__(n_arms, max_len, seed)
+        super().__init__(n_arms, max_len, seed, **kw)
 
     def select(self) -> int:
         return self.arm
@@ -21,7 +19,5 @@ class Fixed(Policy):
 
 @register("random")
 class Random(Policy):
-    name = "random"
-
     def select(self) -> int:
         return int(self.rng.integers(self.K))

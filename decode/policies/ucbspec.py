@@ -1,6 +1,7 @@
 """UCBSpec (BanditSpec Alg. 4): round-robin start, then the largest mean tokens-per-round + radius.
 
 cr_{i,t} = (L/2)·sqrt((1+n)/n² · (1 + 2·log(K·t²·sqrt(1+n)/δ))), with Y = tokens the round produced.
+With another reward (``reward=bd`` ...) the radius scales with that reward's range instead of L.
 """
 from __future__ import annotations
 
@@ -8,31 +9,33 @@ import math
 
 import numpy as np
 
+from ..errors import UserError
 from .base import Policy, register
 
 
-def ucbspec_radius(L: int, n: int, t: int, K: int, delta: float) -> float:
+def ucbspec_radius(L: float, n: int, t: int, K: int, delta: float) -> float:
     return (L / 2) * math.sqrt((1 + n) / n ** 2 * (1 + 2 * math.log(K * t ** 2 * math.sqrt(1 + n) / delta)))
 
 
 @register("ucbspec")
 class UCBSpec(Policy):
-    name = "ucbspec"
-
-    def __init__(self, n_arms, max_len, seed=0, delta: float = 0.5):
+    def __init__(self, n_arms, max_len, seed=0, delta: float = 0.5, **kw):
+        if not delta > 0:
+            raise UserError(f"ucbspec: delta must be > 0, got {delta}")
         self.delta = float(delta)
-        super().__init__(n_arms, max_len, seed)
+        super().__init__(n_arms, max_len, seed, **kw)
 
     def reset(self):
         super().reset()
         self.sum_y = np.zeros(self.K)
 
-    def _update(self, arm, record):
-        self.sum_y[arm] += record.y
+    def _update(self, arm, value):
+        self.sum_y[arm] += value
 
     def scores(self) -> np.ndarray:
+        span = self.reward.hi - self.reward.lo  # = L for Y
         mean = self.sum_y / self.pulls
-        cr = np.array([ucbspec_radius(self.L, int(n), self.t, self.K, self.delta) for n in self.pulls])
+        cr = np.array([ucbspec_radius(span, int(n), self.t, self.K, self.delta) for n in self.pulls])
         return mean + cr
 
     def select(self) -> int:

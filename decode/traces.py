@@ -1,0 +1,185 @@
+"""Counterfactual traces: from one prefix, what EVERY arm would have produced.
+
+At a recorded position each arm proposes from the same context, the target scores that draft and
+the verifier decides, then the target cache is rolled back — so the simulator (``decode simulate
+--traces``) can replay any policy offline on real model behaviour.
+
+Two modes (``SpecEngine.generate(..., trace=MODE)``):
+- ``"rounds"``: at each live round, before the live arm drafts, every other arm is scored from the
+  same prefix (K − 1 extra target forwards per round). The live arm's entry is the live round
+  itself. Cheap; a replay is exact for policies that visit the same positions (e.g. the fixed arm
+  that produced the trace); elsewhere the simulator uses the nearest earlier recorded position.
+- ``"dense"``: after the generation, every arm is scored at EVERY token position of the output
+  (K target forwards per generated token). Under greedy decoding the output does not depend on the
+  policy, so a replay of ANY policy is exact.
+
+Random-number state (torch's global RNG, the verifier's and the arms' generators) is saved before
+and restored after the counterfactual work, so the live output is the one an untraced run makes.
+Timings of traced runs include that extra work (and an independent drafter never has to catch up
+its cache), so measure speed in untraced runs.
+
+File format (``write_traces``/``load_traces``): JSON ``{"version": 1, "traces": [Trace.to_dict()]}``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .draft import Draft
+from .errors import UserError
+
+VERSION = 1
+MODES = ("rounds", "dense")
+
+
+@dataclass
+class ArmStep:
+    """What one arm produced (or would have produced) from one prefix."""
+
+    y: int  # tokens the round yields: accepted + 1
+    drafted: int
+    accepted: int
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    tv: list[float] = field(default_factory=list)
+    accept_prob: list[float] = field(default_factory=list)
+
+
+@dataclass
+class TraceStep:
+    pos: int  # generated tokens before this prefix (0 = right after the prompt)
+    arms: list[ArmStep]
+    live: int = -1  # the arm the live run played here (-1: not a live round start)
+
+
+@dataclass
+class Trace:
+    mode: str
+    prompt_len: int
+    max_new_tokens: int
+    n_tokens: int  # tokens the live run generated
+    stopped_by: str
+    arm_labels: list[str]
+    arm_L: list[int]
+    steps: list[TraceStep] = field(default_factory=list)
+    mismatches: int = 0  # dense greedy: positions whose verified tokens disagree with the output
+    meta: dict = field(default_factory=dict)  # free-form (prompt id, category, policy, ...)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "Trace":
+        steps = [TraceStep(s["pos"], [ArmStep(**a) for a in s["arms"]], s.get("live", -1)) for s in d["steps"]]
+        return Trace(d["mode"], d["prompt_len"], d["max_new_tokens"], d["n_tokens"], d["stopped_by"],
+                     list(d["arm_labels"]), list(d["arm_L"]), steps, d.get("mismatches", 0), d.get("meta", {}))
+
+
+class RngGuard:
+    """Save torch RNG states the counterfactual work would consume, restore them on exit."""
+
+    def __init__(self, engine):
+        gens = [getattr(engine.verifier, "generator", None)] + [getattr(a, "generator", None) for a in engine.arms]
+        self.gens = list({id(g): g for g in gens if isinstance(g, torch.Generator)}.values())
+
+    def __enter__(self):
+        self.global_state = torch.get_rng_state()
+        self.states = [g.get_state() for g in self.gens]
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_rng_state(self.global_state)
+        for g, s in zip(self.gens, self.states):
+            g.set_state(s)
+        return False
+
+
+def score_arm(engine, arm_index: int, ctx: list[int], remaining: int, keep: int | None = None):
+    """Propose with one arm from ``ctx``, score and verify; then crop the target cache to ``keep``
+    tokens (default len(ctx) − 1, i.e. as it was).
+
+    Returns (ArmStep, Outcome, ScoreResult)."""
+    arm = engine.arms[arm_index]
+    t0 = time.perf_counter()
+    draft: Draft = arm.propose(ctx, min(arm.L, remaining - 1), None)
+    t1 = time.perf_counter()
+    n = len(ctx)
+    scored = engine.target.score(ctx[-1], draft.tokens)
+    outcome = engine.verifier.verify(scored.logits, draft)
+    engine.target.rollback(n - 1 if keep is None else keep)
+    t2 = time.perf_counter()
+    step = ArmStep(outcome.accepted + 1, len(draft), outcome.accepted, t1 - t0, t2 - t1,
+                   list(outcome.tv), list(outcome.accept_prob))
+    return step, outcome, scored
+
+
+def counterfactual_round(engine, ctx: list[int], remaining: int, skip: int) -> list[ArmStep | None]:
+    """Every arm except ``skip`` (the live one) from the same prefix; the live path is untouched."""
+    out: list[ArmStep | None] = [None] * len(engine.arms)
+    with RngGuard(engine):
+        for j in range(len(engine.arms)):
+            if j != skip:
+                out[j] = score_arm(engine, j, ctx, remaining)[0]
+    return out
+
+
+def dense_trace(engine, prompt_ids: list[int], tokens: list[int], max_new_tokens: int, stopped_by: str,
+                live_starts: dict[int, int] | None = None) -> Trace:
+    """Score every arm at every position of a finished generation (fresh prefill; arms reset)."""
+    tr = Trace("dense", len(prompt_ids), max_new_tokens, len(tokens), stopped_by,
+               [a.label for a in engine.arms], [a.L for a in engine.arms])
+    live_starts = live_starts or {}
+    full = list(prompt_ids) + list(tokens)
+    with RngGuard(engine):
+        for a in engine.arms:
+            a.reset(list(prompt_ids))
+        engine.target.prefill(list(prompt_ids))
+        for m in range(len(tokens)):
+            n = len(prompt_ids) + m
+            ctx = full[:n]
+            steps, hidden = [], None
+            K = len(engine.arms)
+            for j in range(K):
+                # the last arm keeps ctx[-1] in the cache: the next prefix is one token longer
+                st, outcome, scored = score_arm(engine, j, ctx, max_new_tokens - m, keep=n if j == K - 1 else None)
+                steps.append(st)
+                if hidden is None and scored.hidden is not None:
+                    hidden = scored.hidden[:1]
+                k = min(len(outcome.tokens), len(tokens) - m)
+                if engine.verifier.cfg.greedy and outcome.tokens[:k] != tokens[m:m + k]:
+                    tr.mismatches += 1
+            tr.steps.append(TraceStep(m, steps, live_starts.get(m, -1)))
+            for a in engine.arms:
+                a.observe(full[:n + 1], hidden if a.uses_target_hidden else None)
+    return tr
+
+
+def write_traces(path: str | os.PathLike, traces: list[Trace | dict]) -> None:
+    """Write traces atomically as JSON (parent folders are created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"version": VERSION, "traces": [t.to_dict() if isinstance(t, Trace) else t for t in traces]}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def load_traces(path: str | os.PathLike) -> list[Trace]:
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"--traces: no file at {path}; record one with `decode eval --record-traces {path}`")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--traces: {path} is not valid JSON ({exc})") from exc
+    if not isinstance(data, dict) or data.get("version") != VERSION or "traces" not in data:
+        raise UserError(f"--traces: {path} is not a version-{VERSION} trace file written by `decode eval --record-traces`")
+    traces = [Trace.from_dict(d) for d in data["traces"]]
+    if not traces:
+        raise UserError(f"--traces: {path} holds no traces")
+    return traces

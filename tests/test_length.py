@@ -1,0 +1,117 @@
+"""Draft-length controllers: Beta-TS / Cali-TS formulas, callbacks, and greedy losslessness."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from decode.arms import ArmEnv, build_arm
+from decode.arms.model import DrafterModelArm
+from decode.draft import Outcome
+from decode.engine import SpecEngine
+from decode.errors import UserError
+from decode.length import BetaTS, CaliContext, CaliTS, LengthController, build_length, length_names
+from decode.policies import build_policy
+from decode.sampling import SamplingConfig
+from decode.target import Target
+from decode.verify import Verifier
+from helpers import TinyTokenizer, plain_greedy, tiny_llama
+
+
+def out(accepted):
+    return Outcome(accepted, [0] * (accepted + 1))
+
+
+def test_registry():
+    assert length_names() == ["beta-ts", "cali-ts", "fixed"]
+    assert type(build_length(None)) is LengthController and build_length("fixed").keep_going() is None
+    c = build_length("beta-ts:alpha=2,beta=3", seed=4)
+    assert (c.alpha, c.beta, c.seed) == (2.0, 3.0, 4)
+    with pytest.raises(UserError, match="known"):
+        build_length("greedy-ts")
+    with pytest.raises(UserError, match="bad parameters"):
+        build_length("cali-ts:foo=1")
+    with pytest.raises(UserError, match="sigma"):
+        build_length("cali-ts:sigma_m=0")
+
+
+def test_beta_ts_update_convention():
+    c = BetaTS(1, 1)
+    c.update(4, out(2))  # 2 accepted, position 3 rejected: α += 2, β += 1
+    assert (c.alpha, c.beta) == (3.0, 2.0)
+    c.update(3, out(3))  # all accepted: no failure
+    assert (c.alpha, c.beta) == (6.0, 2.0)
+    c.update(0, out(0))  # nothing drafted: no evidence
+    assert (c.alpha, c.beta) == (6.0, 2.0)
+    c.reset()
+    assert (c.alpha, c.beta) == (1.0, 1.0)
+    k = BetaTS(1, 1, carry=True)
+    k.update(2, out(0))
+    k.reset()
+    assert (k.alpha, k.beta) == (1.0, 2.0)
+
+
+def test_beta_ts_callback_samples_theta_then_bernoulli():
+    c = BetaTS(3, 5, seed=7)
+    cb = c.keep_going()
+    rng = np.random.default_rng(7)
+    for i in range(1, 20):
+        theta = rng.beta(3, 5)
+        assert cb(i, None) == bool(rng.random() < theta)
+    # a posterior piled on failures almost always stops; on successes almost never
+    stop = BetaTS(1, 1000).keep_going()
+    go = BetaTS(1000, 1).keep_going()
+    assert sum(stop(1, None) for _ in range(200)) < 10 and sum(go(1, None) for _ in range(200)) > 190
+
+
+def test_cali_ts_posterior_by_hand():
+    c = CaliTS(sigma_m=0.2, sigma_s=0.5, theta0=0.6)
+    assert c.posterior(0.9) == pytest.approx((0.9, 0.2))  # n = 0: the predictor alone
+    c.update(4, out(1))  # scored 2 positions, 1 accepted
+    c.update(2, out(2))  # scored 2, 2 accepted → θ̂ = 3/4, n = 2
+    vm, vs = 0.04, 0.25
+    mu = vs / (2 * vm + vs) * 0.9 + 2 * vm / (2 * vm + vs) * 0.75
+    assert c.theta_hat == 0.75 and c.n == 2
+    assert c.posterior(0.9) == pytest.approx((mu, math.sqrt(vm * vs / (vs + 2 * vm))))
+
+
+def test_cali_ts_predictor_context_and_defaults():
+    seen = []
+
+    def predictor(ctx: CaliContext):
+        seen.append(ctx)
+        return 1.0
+
+    c = CaliTS(sigma_m=1e-6, sigma_s=1.0, predictor=predictor)
+    c.observe_target(torch.ones(3))
+    row = torch.tensor([0.1, 0.9])
+    assert all(c.keep_going()(2, row, hidden=torch.zeros(2)) for _ in range(20))  # θ ≈ 1 → always continue
+    assert seen[0].i == 2 and seen[0].dist_row is row and seen[0].draft_hidden.shape == (2,)
+    assert torch.equal(seen[0].target_hidden, torch.ones(3))
+    # default predictor: the drafter's top-1 probability of the previous token; θ̂_0 without a distribution
+    low = CaliTS(sigma_m=1e-6, sigma_s=1.0, theta0=0.0).keep_going()
+    assert not any(low(1, None) for _ in range(20))
+    assert not any(low(1, torch.tensor([0.0, 0.0])) for _ in range(20))
+    assert all(low(1, torch.tensor([0.0, 1.0])) for _ in range(20))
+
+
+def _engine(model, drafter):
+    g = SamplingConfig()
+    env = ArmEnv(model, TinyTokenizer(64), g)
+    arms = [build_arm("pld:L=4", env), DrafterModelArm(drafter, g, 4), DrafterModelArm(model, g, 6)]
+    return SpecEngine(Target(model), arms, Verifier(g))
+
+
+def test_greedy_lossless_with_controllers():
+    model, drafter = tiny_llama(seed=1), tiny_llama(seed=2)
+    eng = _engine(model, drafter)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
+    ref = plain_greedy(model, prompt, 24)
+    for spec in ("beta-ts:alpha=1,beta=5", "cali-ts:theta0=0.1,sigma_m=0.05"):
+        short = 0
+        for policy in ("fixed:arm=2", "ucbspec"):
+            ctl = build_length(spec, seed=3)
+            gen = eng.generate(prompt, build_policy(policy, 3, eng.max_len, seed=0), 24, length=ctl)
+            assert gen.tokens == ref, (spec, policy)
+            short += sum(1 for r in gen.rounds[:-1] if 0 < r.drafted < r.max_len)
+        assert short > 0, spec  # the controller really stopped some drafts early
