@@ -1,6 +1,8 @@
 """Verification: turns target logits + a draft into an Outcome. ``Verifier`` dispatches backends."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..draft import Draft, Outcome
@@ -24,7 +26,8 @@ def _fused_available(device: torch.device) -> bool:
 class Verifier:
     """Lossless verification of a draft against target logits.
 
-    backend: "auto" (fused Triton kernel on CUDA, PyTorch reference elsewhere), "torch", "triton".
+    backend: "auto" (fused Triton kernel on CUDA, PyTorch reference elsewhere), "torch", "triton"
+    (on CPU only through Triton's interpreter: TRITON_INTERPRET=1 set before Python starts).
     """
 
     def __init__(self, cfg: SamplingConfig, backend: str = "auto", generator: torch.Generator | None = None):
@@ -37,7 +40,14 @@ class Verifier:
     def _fn(self, device: torch.device):
         use_fused = self.backend == "triton" or (self.backend == "auto" and _fused_available(device))
         if use_fused:
-            from .fused import verify_fused
+            if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise UserError(f"--verifier triton needs a CUDA device (tensors are on {device.type}); use --verifier "
+                                "auto/torch, or set TRITON_INTERPRET=1 before starting Python to run the kernel in "
+                                "Triton's CPU interpreter (slow; for tests)")
+            try:
+                from .fused import verify_fused
+            except ImportError as exc:
+                raise UserError(f"--verifier triton needs the triton package ({exc}); use --verifier torch") from exc
             return verify_fused
         return verify_reference
 
