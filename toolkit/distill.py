@@ -1,0 +1,546 @@
+"""Self-distillation: the target answers task prompts; the answers become drafter training data.
+
+``python -m toolkit distill --task math [key=value ...]`` (or ``make distill TASK=math``) runs a
+recipe from ``recipes/tasks/``. Each selected prompt is answered once at each temperature.
+
+Output (``out``, default ``runs/distill/<task>``):
+
+* ``shards/shard-XXXXX.parquet``: fixed slices of a deterministic plan, each written atomically
+  (temp file + ``os.replace``). A rerun skips finished shards, so an interrupted run resumes
+  without duplicated or lost rows; sampled rows are seeded per batch, so a resumed run reproduces
+  what an uninterrupted one would have written.
+* ``manifest.json``: recipe, target, prompt selection counts, filter counts, throughput, time.
+
+:func:`load_distilled` is the reading side used by the training recipes. Row columns:
+``id, task, source, prompt, prompt_text, prompt_ids, response, response_ids, temperature,
+finish_reason, prompt_tokens, response_tokens, filtered``. ``response_ids`` are exactly the tokens
+the target generated, ending with its end-of-sequence token when ``finish_reason == "stop"``
+(``"length"``: hit ``max_new_tokens``); ``response`` is their text without that token.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+
+from decode.errors import UserError
+from decode.models import DEFAULT_TARGET
+from decode.sampling import SamplingConfig, choose_token
+
+from .config import dump_yaml, load_recipe, to_dict
+from .data.filters import FilterConfig, first_match
+from .data.leakage import DEFAULT_EVAL_FILES, EvalIndex
+from .data.prompts import select_prompts
+from .data.sources import REPO_ROOT, GSM8KSource, Source
+from .data.templates import Template
+
+COLUMNS = ("id", "task", "source", "prompt", "prompt_text", "prompt_ids", "response", "response_ids",
+           "temperature", "finish_reason", "prompt_tokens", "response_tokens", "filtered")
+FORMAT_VERSION = 2  # bump when the plan (row order, batching, seeding) changes: old runs cannot be resumed
+
+
+# --------------------------------------------------------------------------- recipe
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.7, 1.0])
+    max_new_tokens: int = 256
+    batch_size: int = 32
+    top_k: int = 0  # 0 = off: sampled rows follow the target's distribution at that temperature
+    top_p: float = 1.0
+    max_prompt_tokens: int = 1024  # longer prompts are skipped (counted as too_long)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    threads: int | None = None  # torch CPU threads; null = torch's default (on a busy shared CPU, 1 is often faster)
+
+    def __post_init__(self):
+        if not self.temperatures:
+            raise UserError("generation.temperatures is empty; give at least one, e.g. [0.0]")
+        if any(t < 0 for t in self.temperatures) or len(set(self.temperatures)) != len(self.temperatures):
+            raise UserError(f"generation.temperatures must be distinct and >= 0, got {self.temperatures}")
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"generation.threads must be >= 1 or null (torch default), got {self.threads}")
+        for name in ("max_new_tokens", "batch_size", "max_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise UserError(f"generation.{name} must be >= 1, got {getattr(self, name)}")
+        SamplingConfig(0.0, self.top_k, self.top_p)  # validates top_k / top_p
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeakageConfig:
+    eval_files: list[str] = field(default_factory=lambda: list(DEFAULT_EVAL_FILES))
+    ngram: int = 13
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistillRecipe:
+    task: str
+    target: str = DEFAULT_TARGET
+    sources: list[Source] = field(default_factory=lambda: [GSM8KSource()])
+    num_prompts: int | None = 256  # null = every prompt the sources yield
+    shuffle: bool = False  # read all sources and take a seeded random subset instead of the first ones
+    seed: int = 0
+    template: Template = field(default_factory=Template)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    leakage: LeakageConfig = field(default_factory=LeakageConfig)
+    out: str | None = None  # null = runs/distill/<task>
+    shard_size: int = 256  # rows per shard file (the unit of resume)
+    trust_remote_code: bool = False
+
+    def __post_init__(self):
+        if not self.task or not self.task.replace("_", "").replace("-", "").isalnum():
+            raise UserError(f"task must be a short name like 'math', got {self.task!r}")
+        if self.shard_size < 1:
+            raise UserError(f"shard_size must be >= 1, got {self.shard_size}")
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out or f"runs/distill/{self.task}")
+
+
+def recipe_path(task: str) -> Path:
+    p = REPO_ROOT / "recipes" / "tasks" / f"{task}.yaml"
+    if not p.is_file():
+        have = sorted(x.stem for x in (REPO_ROOT / "recipes" / "tasks").glob("*.yaml"))
+        raise UserError(f"--task {task}: no recipe {p}; available tasks: {', '.join(have) or 'none'}")
+    return p
+
+
+def load_distill_recipe(path: str | Path | None = None, overrides=(), *, task: str | None = None) -> DistillRecipe:
+    if path is None and task is None:
+        raise UserError("give a recipe: --recipe recipes/tasks/<task>.yaml or --task <task>")
+    return load_recipe(DistillRecipe, path if path is not None else recipe_path(task), overrides)
+
+
+# --------------------------------------------------------------------------- batched generation
+
+@dataclass
+class Generation:
+    ids: list[int]  # generated tokens, including the final end-of-sequence token when finish == "stop"
+    finish_reason: str  # "stop" | "length"
+
+
+def eos_ids_of(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for v in (getattr(model.generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: list[list[int]], *, sampling: SamplingConfig | list[SamplingConfig],
+                   max_new_tokens: int,
+                   eos_ids: set[int], pad_id: int = 0, generator: torch.Generator | None = None,
+                   on_step: Callable[[int], None] | None = None) -> list[Generation]:
+    """Generate for a batch of prompts with the target: left padding, one shared KV cache.
+
+    Rows that finish leave the batch (their cache rows are dropped), so the remaining rows do not pay
+    for them. ``sampling`` is one config or one per row (a batch may mix temperatures). Greedy rows
+    equal ``model.generate(do_sample=False)`` for the same prompt; all rows draw through
+    :func:`decode.sampling.choose_token`, the one place logits are processed.
+    ``on_step(n)`` is told after every step how many tokens it produced (for progress displays).
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    B = len(prompts)
+    configs = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * B
+    if len(configs) != B:
+        raise ValueError(f"generate_batch: {len(configs)} sampling configs for {B} prompts")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((B, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    logits = out.logits[:, -1, :]
+    next_pos = pos[:, -1:] + 1
+    active = list(range(B))  # batch row → prompt index
+    results: list[list[int]] = [[] for _ in range(B)]
+    finish = ["length"] * B
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device) if eos_ids else None
+    for step in range(max_new_tokens):
+        row_cfg = [configs[i] for i in active]
+        if all(c == row_cfg[0] for c in row_cfg):
+            tok, _ = choose_token(logits, row_cfg[0], generator)
+        else:  # one call per distinct config, in first-appearance order (deterministic with a seeded generator)
+            tok = torch.empty(len(active), dtype=torch.long, device=logits.device)
+            for cfg in dict.fromkeys(row_cfg):
+                rows = torch.tensor([r for r, c in enumerate(row_cfg) if c == cfg], device=logits.device)
+                tok[rows] = choose_token(logits[rows], cfg, generator)[0]
+        done = torch.isin(tok, eos) if eos is not None else torch.zeros_like(tok, dtype=torch.bool)
+        tok_list, done_list = tok.tolist(), done.tolist()
+        for r, i in enumerate(active):
+            results[i].append(tok_list[r])
+            if done_list[r]:
+                finish[i] = "stop"
+        if on_step is not None:
+            on_step(len(tok_list))
+        if step == max_new_tokens - 1:
+            break
+        if any(done_list):
+            keep = [r for r, d in enumerate(done_list) if not d]
+            if not keep:
+                break
+            active = [active[r] for r in keep]
+            idx = torch.tensor(keep, dtype=torch.long, device=device)
+            cache.batch_select_indices(idx)
+            tok, mask, next_pos = tok[idx], mask[idx], next_pos[idx]
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache,
+                    use_cache=True)
+        logits = out.logits[:, -1, :]
+        next_pos = next_pos + 1
+    return [Generation(r, f) for r, f in zip(results, finish)]
+
+
+# --------------------------------------------------------------------------- plan & shards
+
+@dataclass(frozen=True)
+class Unit:
+    uid: str
+    prompt: int  # index into the selected prompts
+    temperature: float
+
+
+def _uid(task: str, source: str, text: str, temperature: float) -> str:
+    return hashlib.sha256(f"{task}\x00{source}\x00{text}\x00{temperature!r}".encode()).hexdigest()[:20]
+
+
+def plan_units(task, prompts, prompt_ids, temperatures) -> list[Unit]:
+    """Every prompt at every temperature, longest prompts first (less padding per batch); the copies of a
+    prompt at its temperatures are adjacent, so they share a batch and its padding."""
+    order = sorted(range(len(prompts)), key=lambda i: (-len(prompt_ids[i]), i))
+    return [Unit(_uid(task, prompts[i].source, prompts[i].text, t), i, t) for i in order for t in temperatures]
+
+
+def _shard_path(out: Path, k: int) -> Path:
+    return out / "shards" / f"shard-{k:05d}.parquet"
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _write_shard(path: Path, rows: list[dict], meta: dict) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(rows, schema=_schema()).replace_schema_metadata(
+        {"adaspec": json.dumps(meta)})
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("id", pa.string()), ("task", pa.string()), ("source", pa.string()), ("prompt", pa.string()),
+        ("prompt_text", pa.string()), ("prompt_ids", pa.list_(pa.int32())), ("response", pa.string()),
+        ("response_ids", pa.list_(pa.int32())), ("temperature", pa.float64()), ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int32()), ("response_tokens", pa.int32()), ("filtered", pa.string()),
+    ])
+
+
+def _shard_meta(path: Path) -> dict | None:
+    import pyarrow.parquet as pq
+
+    try:
+        md = pq.read_schema(path).metadata or {}
+        return json.loads(md[b"adaspec"])
+    except Exception:  # unreadable or foreign file: regenerate it
+        return None
+
+
+def _fingerprint(recipe: DistillRecipe, units: list[Unit], prompt_ids: list[list[int]]) -> str:
+    d = to_dict(recipe)
+    d.pop("out", None)
+    d["generation"].pop("threads", None)  # speed only: may change between sessions
+    h = hashlib.sha256(json.dumps([FORMAT_VERSION, d], sort_keys=True).encode())
+    for u in units:
+        h.update(f"{u.uid}:{prompt_ids[u.prompt]}\n".encode())
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- the job
+
+def _load_tokenizer(recipe: DistillRecipe):
+    from transformers import AutoTokenizer
+
+    from decode.models import resolve_path
+
+    path = resolve_path(recipe.target)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=recipe.trust_remote_code)
+    except OSError as exc:
+        raise UserError(f"target: could not load the tokenizer of '{recipe.target}': {exc}") from None
+
+
+def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: bool = False,
+            progress: bool = True) -> dict:
+    """Run (or resume) a distillation recipe; returns the manifest. ``model``/``tokenizer`` override the target."""
+    t_start = time.time()
+    out = recipe.out_dir
+    gen = recipe.generation
+    if tokenizer is None:
+        tokenizer = _load_tokenizer(recipe)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+    index = EvalIndex.from_files(recipe.leakage.eval_files, recipe.leakage.ngram)
+    rendered: dict[str, tuple[str, list[int]]] = {}
+
+    def check(p):
+        text, ids = recipe.template.render(tokenizer, p.text)
+        if len(ids) > gen.max_prompt_tokens:
+            return "too_long"
+        rendered[p.text] = (text, ids)
+        return None
+
+    sel = select_prompts(recipe.sources, recipe.num_prompts, eval_index=index, check=check,
+                         shuffle=recipe.shuffle, seed=recipe.seed)
+    prompts = sel.prompts
+    prompt_text = [rendered[p.text][0] for p in prompts]
+    prompt_ids = [rendered[p.text][1] for p in prompts]
+    units = plan_units(recipe.task, prompts, prompt_ids, gen.temperatures)
+    fp = _fingerprint(recipe, units, prompt_ids)
+    n_shards = (len(units) + recipe.shard_size - 1) // recipe.shard_size
+
+    manifest_path = out / "manifest.json"
+    old: dict = {}
+    if manifest_path.is_file():
+        old = json.loads(manifest_path.read_text())
+        if old.get("fingerprint") != fp:
+            if not overwrite:
+                changed = sorted(k for k in set(old.get("recipe", {})) | set(to_dict(recipe))
+                                 if k != "out" and old.get("recipe", {}).get(k) != to_dict(recipe).get(k))
+                if old.get("format_version") != FORMAT_VERSION:
+                    changed.append(f"written by toolkit format {old.get('format_version')}, now {FORMAT_VERSION}")
+                raise UserError(f"{out} holds a distillation run of a different recipe or prompt set "
+                                f"(changed: {', '.join(changed) or 'selected prompts'}); pass out=<new dir> "
+                                f"or --overwrite to replace it (its data stays readable with load_distilled)")
+            for f in (out / "shards").glob("*.parquet"):
+                f.unlink()
+            old = {}
+    (out / "shards").mkdir(parents=True, exist_ok=True)
+    for stale in (out / "shards").glob(".shard-*.tmp-*"):  # a run killed while writing
+        stale.unlink()
+
+    done: dict[int, dict] = {}
+    for k in range(n_shards):
+        p = _shard_path(out, k)
+        if p.is_file():
+            meta = _shard_meta(p)
+            if meta and meta.get("fingerprint") == fp and meta.get("shard") == k:
+                done[k] = meta
+    for p in (out / "shards").glob("shard-*.parquet"):  # foreign / beyond-plan files never mix in
+        if int(p.stem.split("-")[1]) not in done:
+            p.unlink()
+
+    base = {
+        "format_version": FORMAT_VERSION, "task": recipe.task, "fingerprint": fp, "recipe": to_dict(recipe),
+        "target": {"spec": recipe.target,
+                   "model": type(model).__name__ if model is not None else old.get("target", {}).get("model"),
+                   "tokenizer": getattr(tokenizer, "name_or_path", None)},
+        "started_unix": old.get("started_unix", round(t_start, 1)), "sessions": old.get("sessions", 0) + 1,
+        "prompts": sel.stats, "shards": n_shards, "planned_rows": len(units), "columns": list(COLUMNS),
+    }
+    _write_json_atomic(manifest_path, {**base, "status": "running", "completed_shards": len(done)})
+
+    pending = [k for k in range(n_shards) if k not in done]
+    session_tokens, session_gen_s = 0, 0.0
+    if pending:
+        if model is None:
+            from decode.models import load_model
+
+            model, _ = load_model(recipe.target, dtype=getattr(torch, gen.dtype), device=gen.device,
+                                  trust_remote_code=recipe.trust_remote_code)
+            base["target"]["model"] = type(model).__name__
+        limit = getattr(model.config, "max_position_embeddings", None)
+        longest = max(len(ids) for ids in prompt_ids) + gen.max_new_tokens
+        if limit and longest > limit:
+            raise UserError(f"generation: the longest prompt ({longest - gen.max_new_tokens} tokens) plus "
+                            f"max_new_tokens ({gen.max_new_tokens}) exceeds the target's context of {limit}; "
+                            f"lower generation.max_prompt_tokens or generation.max_new_tokens")
+        eos_ids = eos_ids_of(model, tokenizer)
+        from tqdm.auto import tqdm
+
+        threads_before = torch.get_num_threads()
+        if gen.threads:
+            torch.set_num_threads(gen.threads)
+
+        bar = tqdm(total=len(units), initial=sum(m["rows"] for m in done.values()), unit="row",
+                   desc=f"distill {recipe.task}", disable=not progress, dynamic_ncols=True)
+        live = {"tokens": 0, "t0": time.perf_counter(), "shown": 0.0}
+
+        def on_step(n: int) -> None:  # tokens/s while a long batch is still running
+            live["tokens"] += n
+            now = time.perf_counter()
+            if progress and now - live["shown"] >= 1.0:
+                live["shown"] = now
+                bar.set_postfix_str(f"{live['tokens'] / (now - live['t0']):.1f} tok/s, {live['tokens']} tok",
+                                    refresh=True)
+        try:
+            for k in pending:
+                shard_units = units[k * recipe.shard_size:(k + 1) * recipe.shard_size]
+                rows, tokens, secs = [], 0, 0.0
+                for b in range(0, len(shard_units), gen.batch_size):
+                    batch = shard_units[b:b + gen.batch_size]
+                    g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + k * 10_007 + b)
+                    t0 = time.perf_counter()
+                    outs = generate_batch(model, [prompt_ids[u.prompt] for u in batch],
+                                          sampling=[SamplingConfig(u.temperature, gen.top_k, gen.top_p)
+                                                    for u in batch],
+                                          max_new_tokens=gen.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+                                          generator=g, on_step=on_step)
+                    secs += time.perf_counter() - t0
+                    n_tok = sum(len(o.ids) for o in outs)
+                    tokens += n_tok
+                    session_tokens += n_tok
+                    session_gen_s += time.perf_counter() - t0
+                    for u, o in zip(batch, outs):
+                        rows.append(_row(recipe, tokenizer, prompts[u.prompt], prompt_text[u.prompt],
+                                         prompt_ids[u.prompt], u, o, eos_ids))
+                    bar.update(len(batch))
+                meta = {"fingerprint": fp, "shard": k, "rows": len(rows), "generated_tokens": tokens,
+                        "generation_seconds": round(secs, 3)}
+                _write_shard(_shard_path(out, k), rows, meta)
+                done[k] = meta
+                _write_json_atomic(manifest_path, {**base, "status": "running", "completed_shards": len(done)})
+        finally:
+            bar.close()
+            torch.set_num_threads(threads_before)
+
+    manifest = {**base, **_summarise(out, n_shards, done, recipe), "status": "complete",
+                "completed_shards": len(done),
+                "time": {"finished_unix": round(time.time(), 1), "this_session_seconds": round(time.time() - t_start, 2),
+                         "this_session_generation_seconds": round(session_gen_s, 2),
+                         "this_session_generated_tokens": session_tokens}}
+    _write_json_atomic(manifest_path, manifest)
+    return manifest
+
+
+def _row(recipe, tokenizer, prompt, prompt_text, prompt_ids, unit: Unit, o: Generation, eos_ids) -> dict:
+    body = o.ids[:-1] if o.finish_reason == "stop" and o.ids and o.ids[-1] in eos_ids else o.ids
+    text = tokenizer.decode(body, skip_special_tokens=False)
+    return {
+        "id": unit.uid, "task": recipe.task, "source": prompt.source, "prompt": prompt.text,
+        "prompt_text": prompt_text, "prompt_ids": list(prompt_ids), "response": text, "response_ids": o.ids,
+        "temperature": unit.temperature, "finish_reason": o.finish_reason, "prompt_tokens": len(prompt_ids),
+        "response_tokens": len(o.ids), "filtered": first_match(text, body, o.finish_reason, recipe.filters),
+    }
+
+
+def _summarise(out: Path, n_shards: int, done: dict, recipe: DistillRecipe) -> dict:
+    import pyarrow.parquet as pq
+
+    filtered, finish, per_temp = Counter(), Counter(), Counter()
+    rows = kept = resp_tokens = 0
+    for k in range(n_shards):
+        t = pq.read_table(_shard_path(out, k), columns=["filtered", "finish_reason", "temperature",
+                                                        "response_tokens"]).to_pydict()
+        rows += len(t["filtered"])
+        for f, fr, temp in zip(t["filtered"], t["finish_reason"], t["temperature"]):
+            filtered[f or "kept"] += 1
+            finish[fr] += 1
+            per_temp[str(temp)] += 1
+        resp_tokens += sum(t["response_tokens"])
+    kept = filtered.pop("kept", 0)
+    gen_s = sum(m["generation_seconds"] for m in done.values())
+    gen_tok = sum(m["generated_tokens"] for m in done.values())
+    return {
+        "counts": {"rows": rows, "kept": kept, "filtered": sum(filtered.values()), "response_tokens": resp_tokens,
+                   "finish_reason": dict(finish), "rows_per_temperature": dict(per_temp)},
+        "filters": {"rules": list(recipe.filters.rules), "dropped": {r: filtered.get(r, 0) for r in recipe.filters.rules}},
+        "throughput": {"generated_tokens": gen_tok, "generation_seconds": round(gen_s, 2),
+                       "tokens_per_s": round(gen_tok / gen_s, 2) if gen_s else None,
+                       "rows_per_s": round(rows / gen_s, 3) if gen_s else None,
+                       "batch_size": recipe.generation.batch_size},
+    }
+
+
+# --------------------------------------------------------------------------- reading side
+
+def load_distilled(out_dir, *, include_filtered: bool = False, allow_partial: bool = False):
+    """The distilled rows of one run directory (or a list of them) as a ``datasets.Dataset``.
+
+    Rows flagged by a filter are dropped unless ``include_filtered``. An unfinished run is an error
+    unless ``allow_partial`` (then only its finished shards are read).
+    """
+    import datasets
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    dirs = [out_dir] if isinstance(out_dir, (str, Path)) else list(out_dir)
+    tables = []
+    for d in map(Path, dirs):
+        mf = d / "manifest.json"
+        if not mf.is_file():
+            raise UserError(f"no distilled dataset at {d} (manifest.json missing); create it with "
+                            f"`make distill TASK=<task>` or `python -m toolkit distill --task <task>`")
+        manifest = json.loads(mf.read_text())
+        if manifest.get("status") != "complete" and not allow_partial:
+            raise UserError(f"distillation in {d} is unfinished ({manifest.get('completed_shards')}/"
+                            f"{manifest.get('shards')} shards); rerun the same command to resume it, "
+                            f"or pass allow_partial=True")
+        for k in range(manifest["shards"]):
+            p = _shard_path(d, k)
+            meta = _shard_meta(p) if p.is_file() else None
+            if meta is None or meta.get("fingerprint") != manifest["fingerprint"]:
+                if allow_partial:
+                    continue
+                raise UserError(f"{p} is missing or from another run; rerun the distillation to repair {d}")
+            tables.append(pq.read_table(p, schema=_schema()).replace_schema_metadata(None))
+    table = pa.concat_tables(tables) if tables else _schema().empty_table()
+    if not include_filtered:
+        table = table.filter(pc.equal(table["filtered"], ""))
+    return datasets.Dataset(datasets.table.InMemoryTable(table))
+
+
+# --------------------------------------------------------------------------- CLI
+
+def add_arguments(parser) -> None:
+    g = parser.add_mutually_exclusive_group(required=True)
+    g.add_argument("--recipe", help="recipe YAML, e.g. recipes/tasks/math.yaml")
+    g.add_argument("--task", help="shorthand for recipes/tasks/<task>.yaml (math, code, chat, summarization, "
+                                  "translation, qa)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="recipe overrides, dotted keys: num_prompts=64 generation.batch_size=16 target=...")
+    parser.add_argument("--overwrite", action="store_true", help="replace a run of a different recipe in `out`")
+    parser.add_argument("--print-recipe", action="store_true", help="print the resolved recipe and exit")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    recipe = load_distill_recipe(args.recipe, args.overrides, task=args.task)
+    if args.print_recipe:
+        print(dump_yaml(recipe), end="")
+        return 0
+    m = distill(recipe, overwrite=args.overwrite, progress=not args.no_progress)
+    c, tp = m["counts"], m["throughput"]
+    print(f"distill {recipe.task}: {c['rows']} rows ({c['kept']} kept, filtered {m['filters']['dropped']}), "
+          f"{c['response_tokens']} response tokens, {tp['tokens_per_s']} tok/s → {recipe.out_dir}", file=sys.stderr)
+    return 0
