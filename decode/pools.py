@@ -1,0 +1,101 @@
+"""Pool files (``recipes/pools/*.yaml``): exported drafters + model-free arms → arm specs for ``--pool``.
+
+Format::
+
+    target: smollm2-135m-instruct     # what the drafters were trained for (checked against drafter.json)
+    L: 4                              # default draft length of the drafter arms
+    drafters:                         # export folders written by `make train-drafter`
+      - {name: math, path: runs/drafters/cpu-small/math/export}
+      - {name: code, path: runs/drafters/cpu-small/code/export, L: 5}
+    arms: [pld:L=4, suffix:L=6]       # any other arm specs, as for --arms
+
+Relative drafter paths are resolved against the repository root first, then the working directory.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import UserError
+from .specs import parse_spec
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+_KEYS = {"target", "L", "drafters", "arms", "description"}
+_DRAFTER_KEYS = {"name", "path", "L"}
+
+
+def _resolve(path: str) -> Path | None:
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p if p.exists() else None
+    for base in (REPO_ROOT, Path.cwd()):
+        if (base / p).exists():
+            return (base / p).resolve()
+    return None
+
+
+def _int_L(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UserError(f"{where}: L must be an integer >= 0, got {value!r}")
+    return value
+
+
+def load_pool(path: str | Path) -> list[str]:
+    """Arm spec strings for a pool file: one ``drafter:path=...,L=...,name=...`` per drafter, then the arms."""
+    import yaml
+
+    from .arms import arm_names
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--pool {p}: file not found; pass a pool YAML such as recipes/pools/default-target.yaml")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"pool {p}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"pool {p}: the top level must be a mapping with 'drafters' and/or 'arms'")
+    unknown = set(data) - _KEYS
+    if unknown:
+        raise UserError(f"pool {p}: unknown field(s) {sorted(unknown)}; valid fields: {sorted(_KEYS)}")
+    default_L = _int_L(data.get("L", 4), f"pool {p}")
+    target = data.get("target")
+    drafters, arms = data.get("drafters") or [], data.get("arms") or []
+    if not isinstance(drafters, list) or not isinstance(arms, list):
+        raise UserError(f"pool {p}: 'drafters' and 'arms' must be lists")
+    specs: list[str] = []
+    for i, d in enumerate(drafters):
+        where = f"pool {p}: drafters[{i}]"
+        if not isinstance(d, dict) or "path" not in d:
+            raise UserError(f"{where} must be a mapping with at least 'path' (and usually 'name')")
+        bad = set(d) - _DRAFTER_KEYS
+        if bad:
+            raise UserError(f"{where}: unknown field(s) {sorted(bad)}; valid: {sorted(_DRAFTER_KEYS)}")
+        name = str(d.get("name") or Path(str(d["path"])).parent.name)
+        folder = _resolve(str(d["path"]))
+        if folder is None or not (folder / "config.json").is_file():
+            raise UserError(f"{where} ('{name}'): no exported model at {d['path']}; train it with "
+                            f"`make train-drafter TASK={name}` or fix the path")
+        meta_file = folder / "drafter.json"
+        if target and meta_file.is_file():
+            trained_for = json.loads(meta_file.read_text()).get("target")
+            if trained_for and trained_for != target:
+                raise UserError(f"{where} ('{name}') was trained for target '{trained_for}', but the pool is for "
+                                f"'{target}'; use a drafter trained for this target")
+        text = str(folder)
+        if any(c in text for c in ",;= \t") or any(c in name for c in ",;= \t"):
+            raise UserError(f"{where}: path/name may not contain spaces, ',', ';' or '=' (they separate arm specs); "
+                            f"rename '{text}' / '{name}'")
+        L = _int_L(d.get("L", default_L), where)
+        specs.append(f"drafter:path={text},L={L},name={name}")
+    known = set(arm_names())
+    for i, spec in enumerate(arms):
+        if not isinstance(spec, str):
+            raise UserError(f"pool {p}: arms[{i}] must be an arm spec string like 'pld:L=4', got {spec!r}")
+        name, _ = parse_spec(spec)
+        if name not in known:
+            raise UserError(f"pool {p}: arms[{i}] '{spec}': unknown arm '{name}'; known arms: {', '.join(sorted(known))}")
+        specs.append(spec.strip())
+    if not specs:
+        raise UserError(f"pool {p} names no drafters and no arms; add entries under 'drafters' or 'arms'")
+    return specs

@@ -1,0 +1,245 @@
+"""HF ``Trainer`` + DeepSpeed plumbing shared by every trained artifact.
+
+The same command runs as ``python``, ``torchrun`` or ``deepspeed`` (CPU accelerator + gloo here, GPUs
+and several nodes elsewhere): the launcher only sets rank environment variables, and the DeepSpeed
+config is a JSON file from ``recipes/deepspeed`` whose "auto" values the Trainer fills in.
+Artifacts supply a model and a ``loss_fn``; checkpoints, exact resume and gathering the trained
+weights (also from ZeRO-3 shards) happen here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+from transformers import Trainer
+
+from decode.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEEPSPEED_DIR = REPO_ROOT / "recipes" / "deepspeed"
+
+
+@dataclass
+class TrainSection:
+    max_steps: int = -1  # > 0 overrides epochs (`make train-drafter MAX_STEPS=n` for smoke runs)
+    epochs: float = 1.0
+    batch_size: int = 8  # per device
+    grad_accum: int = 1
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    warmup: float = 0.03  # < 1: share of the total steps; >= 1: number of steps
+    scheduler: str = "cosine"  # any transformers lr_scheduler_type
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPUs that have it, else fp32
+    deepspeed: str | None = "zero2"  # recipes/deepspeed/<name>.json or a path; null = no DeepSpeed
+    logging_steps: int = 10
+    save_steps: int = 200  # checkpoint every n optimizer steps (resume restarts from the latest)
+    save_total_limit: int = 2
+    gradient_checkpointing: bool = False
+    dataloader_workers: int = 0
+
+    def __post_init__(self):
+        for name in ("batch_size", "grad_accum", "logging_steps", "save_steps", "save_total_limit"):
+            if getattr(self, name) < 1:
+                raise UserError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise UserError(f"train.max_steps must be a positive number of steps or -1 (use epochs), got {self.max_steps}")
+        if self.max_steps == -1 and self.epochs <= 0:
+            raise UserError(f"train.epochs must be > 0 when train.max_steps=-1, got {self.epochs}")
+        if self.lr <= 0:
+            raise UserError(f"train.lr must be > 0, got {self.lr}")
+        if self.warmup < 0:
+            raise UserError(f"train.warmup must be >= 0 (a ratio < 1 or a step count), got {self.warmup}")
+
+
+# --------------------------------------------------------------------------- launch environment
+
+def ensure_process_group_env() -> None:
+    """Plain ``python`` with DeepSpeed still needs rank variables; launchers (deepspeed, torchrun) set them."""
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def precision_flags(choice: str) -> dict:
+    """TrainingArguments flags for a precision choice; ``auto`` = bf16 where the GPU supports it, else fp32."""
+    cuda = torch.cuda.is_available()
+    if choice == "auto":
+        choice = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if choice == "fp16" and not cuda:
+        raise UserError("train.precision=fp16 needs a CUDA GPU; use auto, fp32 or bf16")
+    return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
+
+
+def deepspeed_config(name: str | None) -> dict | None:
+    """Load a ZeRO config by name (``zero2`` → recipes/deepspeed/zero2.json) or path; None disables DeepSpeed."""
+    if name in (None, "", "none"):
+        return None
+    p = Path(name)
+    candidates = [p] if p.suffix == ".json" else []
+    candidates += [DEEPSPEED_DIR / f"{name}.json", DEEPSPEED_DIR / name]
+    path = next((c for c in candidates if c.is_file()), None)
+    if path is None:
+        avail = sorted(x.stem for x in DEEPSPEED_DIR.glob("*.json"))
+        raise UserError(f"train.deepspeed={name!r}: no such DeepSpeed config; use one of {avail}, a path to a "
+                        f"JSON file, or null to train without DeepSpeed")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"train.deepspeed: {path} is not valid JSON: {exc}") from None
+    stage = cfg.get("zero_optimization", {}).get("stage") if isinstance(cfg, dict) else None
+    if stage not in (0, 1, 2, 3):
+        raise UserError(f"train.deepspeed: {path} needs zero_optimization.stage in 0..3")
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as exc:
+        raise UserError(f"train.deepspeed={name!r} but DeepSpeed is not importable ({exc}); install the pinned "
+                        f"deepspeed or set train.deepspeed=null") from None
+    return cfg
+
+
+def training_arguments(section: TrainSection, ckpt_dir: Path, ds_config: dict | None):
+    """TrainingArguments from a recipe section. Build models *before* calling this: with ZeRO-3 the
+    arguments switch transformers' loaders to partitioned construction."""
+    from transformers import TrainingArguments
+
+    if ds_config is not None:
+        ensure_process_group_env()
+    return TrainingArguments(
+        output_dir=str(ckpt_dir),
+        per_device_train_batch_size=section.batch_size,
+        gradient_accumulation_steps=section.grad_accum,
+        learning_rate=section.lr,
+        weight_decay=section.weight_decay,
+        warmup_steps=section.warmup if section.warmup < 1 else int(section.warmup),
+        lr_scheduler_type=section.scheduler,
+        max_grad_norm=section.max_grad_norm,
+        max_steps=section.max_steps,
+        num_train_epochs=section.epochs,
+        seed=section.seed,
+        data_seed=section.seed,
+        logging_steps=section.logging_steps,
+        save_strategy="steps",
+        save_steps=section.save_steps,
+        save_total_limit=section.save_total_limit,
+        activation_checkpointing=section.gradient_checkpointing,
+        dataloader_num_workers=section.dataloader_workers,
+        remove_unused_columns=False,
+        report_to=[],
+        deepspeed=ds_config,
+        use_cpu=not torch.cuda.is_available(),
+        **precision_flags(section.precision),
+    )
+
+
+# --------------------------------------------------------------------------- trainer
+
+# loss_fn(model, inputs) -> (mean loss over this micro-batch, {name: float} to log)
+LossFn = Callable[[torch.nn.Module, dict], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+class LossTrainer(Trainer):
+    """HF Trainer whose loss comes from an artifact's ``loss_fn``.
+
+    ``loss_fn`` returns the mean over its micro-batch; the Trainer divides by the accumulation steps
+    (the same convention for every artifact, whatever its model's forward accepts). Extra values
+    the loss function reports (e.g. the SFT and KD terms) are averaged into the log lines.
+    """
+
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, loss_fn: LossFn, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_fn = loss_fn
+        self.model_accepts_loss_kwargs = False
+        self._extra: dict[str, list[float]] = defaultdict(list)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, logs = self.loss_fn(model, inputs)
+        if model.training:
+            for k, v in logs.items():
+                self._extra[k].append(float(v))
+        return (loss, None) if return_outputs else loss
+
+    def log(self, logs, *args, **kwargs):
+        if self._extra and "loss" in logs:
+            logs.update({k: round(sum(v) / len(v), 4) for k, v in self._extra.items()})
+            self._extra.clear()
+        super().log(logs, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------- resume
+
+def resume_checkpoint(resume: str, ckpt_dir: Path, fingerprint: dict, run_file: Path) -> str | None:
+    """Checkpoint to resume from: ``auto`` = the latest in ``ckpt_dir`` if it came from the same run
+    setup (``fingerprint``), ``never``, or an explicit checkpoint folder."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if resume == "never":
+        return None
+    if resume != "auto":
+        p = Path(resume)
+        if not (p.is_dir() and (p / "trainer_state.json").is_file()):
+            raise UserError(f"resume={resume}: not a checkpoint folder (expected .../checkpoint-N with "
+                            f"trainer_state.json); use resume=auto or resume=never")
+        return str(p)
+    last = get_last_checkpoint(str(ckpt_dir)) if ckpt_dir.is_dir() else None
+    if last is None:
+        return None
+    if run_file.is_file():
+        before = json.loads(run_file.read_text())
+        changed = sorted(k for k in set(before) | set(fingerprint) if before.get(k) != fingerprint.get(k))
+        if changed:
+            raise UserError(f"{ckpt_dir} holds checkpoints of a different setup (changed: {', '.join(changed)}); "
+                            f"pass resume=never to start over there, or out_dir=<new folder>")
+    return last
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- gathering
+
+def trained_module(trainer, rebuild: Callable[[], torch.nn.Module]) -> torch.nn.Module | None:
+    """The trained module with full weights on the main process (None on other ranks).
+
+    Every rank must call this (ZeRO-3 gathers collectively). Without ZeRO-3 the unwrapped model already
+    holds full weights; with it, ``rebuild()`` makes an empty copy outside DeepSpeed's partitioning
+    and the consolidated weights are loaded into it.
+    """
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    if not (trainer.is_deepspeed_enabled and is_deepspeed_zero3_enabled()):
+        return trainer.accelerator.unwrap_model(trainer.model) if trainer.is_world_process_zero() else None
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    if not trainer.is_world_process_zero():
+        return None
+    unset_hf_deepspeed_config()  # training is over: build the copy as a plain module
+    module = rebuild()
+    missing, unexpected = module.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    tied = set(getattr(module, "_tied_weights_keys", None) or {})
+    missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"gathered ZeRO-3 weights do not fit the rebuilt module: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()
+    return module
