@@ -202,8 +202,9 @@ def run(args) -> int:
     torch.manual_seed(args.seed)
     model, tok = load_model(args.target, trust_remote_code=args.trust_remote_code)
     gen = torch.Generator().manual_seed(args.seed)
-    env = ArmEnv(model, tok, sampling, gen, target_name=args.target, trust_remote_code=args.trust_remote_code)
     target = Target(model, tok, want_hidden=False)
+    env = ArmEnv(model, tok, sampling, gen, target_name=args.target, trust_remote_code=args.trust_remote_code,
+                 target=target)
     verifier = Verifier(sampling, args.verifier, gen)
     eos = _eos_ids(model, tok)
     methods, labels = build_methods(target, env, arm_specs, policy_specs, verifier, eos)

@@ -40,6 +40,7 @@ class Target:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.cache = DynamicCache()
         self.forwards = 0
+        self.prefill_hidden = None
 
     @property
     def cached(self) -> int:
@@ -57,8 +58,10 @@ class Target:
             raise ValueError("empty prompt")
         self.cache = DynamicCache()
         self.forwards = 0
+        self.prefill_hidden = None  # [len(prompt)-1, d] final-layer hidden states when want_hidden
         if len(prompt_ids) > 1:
-            self._forward(prompt_ids[:-1], hidden=False)
+            out = self._forward(prompt_ids[:-1], hidden=self.want_hidden)
+            self.prefill_hidden = out.hidden_states[-1][0] if self.want_hidden else None
 
     def score(self, last_token: int, draft_tokens: torch.Tensor) -> ScoreResult:
         """Verification forward over ``[last_token] + draft`` (one target forward pass)."""

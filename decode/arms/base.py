@@ -26,6 +26,7 @@ class ArmEnv:
     generator: torch.Generator = field(default_factory=torch.Generator)
     target_name: str = "target"
     trust_remote_code: bool = False
+    target: "Target | None" = None  # the verifier wrapper (self-drafting arms read its model/hidden states)
 
 
 class Arm:

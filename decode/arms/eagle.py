@@ -1,0 +1,140 @@
+"""EAGLE arm: chain drafting in feature space with a trained EAGLE head (ALGORITHMS.md §5).
+
+Feature f_j = the target's post-norm final hidden state at position j (the LM head's input), as
+returned by the verification forward (``observe``) and the prefill (``Target.prefill_hidden``).
+Head cache entry j = layer(fc([emb(x_{j+1}), f_j])) and predicts f_{j+1}. The head's own KV cache
+holds only entries built from TRUE target features; entries built from predicted features while
+drafting are cropped after every draft (EAGLE recomputes them once the target's features arrive).
+
+Per draft with m committed tokens: feed the missing true entries up to j = m-2 in one forward
+(its last output predicts f_{m-1} → draft token 1), then one head step per further token.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from ..draft import Draft
+from ..errors import UserError
+from ..heads import EagleHead, load_head
+from ..sampling import SamplingConfig, choose_token
+from ..target import crop_cache
+from .base import Arm, ArmEnv, register
+
+
+class EagleArm(Arm):
+    name = "eagle"
+    uses_target_hidden = True
+
+    def __init__(self, head: EagleHead, target_model, sampling: SamplingConfig, L: int = 4,
+                 generator: torch.Generator | None = None, label: str | None = None, target=None):
+        super().__init__(L)
+        self.head = head.eval()
+        self.target_model = target_model
+        self.target = target
+        self.sampling = sampling
+        self.generator = generator
+        self._label = label
+        self.device = next(head.parameters()).device
+        self.reset([])
+
+    @property
+    def label(self) -> str:
+        return self._label or f"eagle@{self.L}"
+
+    def reset(self, prompt_ids):
+        self.cache = DynamicCache()
+        self.entries = 0  # head-cache entries built from true features (positions 0..entries-1)
+        self.feats = None  # [P, d] true target features for positions 0..P-1
+        self.tokens: list[int] = []  # committed tokens the features belong to
+        self.prev_len = self.prompt_len = len(prompt_ids)
+        self.draft_hidden: list[torch.Tensor] = []
+        self.target_hidden = None
+
+    # -- true features ------------------------------------------------------------------------------
+    def _append_feats(self, start: int, rows: torch.Tensor) -> None:
+        have = 0 if self.feats is None else self.feats.shape[0]
+        if start > have:
+            return  # a gap: _fill_missing recomputes the features on the next propose
+        rows = rows[have - start:].to(self.device, torch.float32)
+        if len(rows):
+            self.feats = rows if self.feats is None else torch.cat([self.feats, rows])
+
+    def _take_prefill(self) -> None:
+        """The prompt's features come free with the engine's prefill (Target.prefill_hidden)."""
+        pf = getattr(self.target, "prefill_hidden", None) if self.target is not None else None
+        if self.feats is None and pf is not None and pf.shape[0] == self.prompt_len - 1:
+            self._append_feats(0, pf)
+
+    @torch.inference_mode()
+    def _fill_missing(self, context: list[int]) -> None:
+        """Features for positions 0..m-2 are needed; else run the target once over the context."""
+        need = len(context) - 1
+        self._take_prefill()
+        have = 0 if self.feats is None else self.feats.shape[0]
+        if have < need:  # no hidden states from the engine's target: compute them (draft-time cost)
+            x = torch.tensor([context[:need]], device=self.device)
+            out = self.target_model(input_ids=x, output_hidden_states=True)
+            self.feats = out.hidden_states[-1][0].float()
+
+    def observe(self, context, hidden=None):
+        if hidden is None:
+            raise UserError("the eagle arm needs the target's hidden states: build the Target with "
+                            "want_hidden=True (or pass it as ArmEnv.target so the arm can switch it on)")
+        self._take_prefill()
+        n = self.prev_len
+        keep = max(0, min(len(hidden), len(context) - n + 1))
+        if keep:
+            self._append_feats(n - 1, hidden[:keep])
+            self.target_hidden = hidden[keep - 1].float()
+        self.prev_len = len(context)
+
+    # -- drafting -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _step(self, feats: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
+        x = torch.tensor([next_tokens], device=self.device)
+        pred = self.head(feats.unsqueeze(0), x, past_key_values=self.cache, use_cache=True)
+        return pred[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, context, max_len, keep_going=None) -> Draft:
+        L = min(self.L, max_len)
+        self.draft_hidden = []
+        if L <= 0 or len(context) < 2:
+            return Draft.empty()
+        self._fill_missing(context)
+        m = len(context)
+        # entries must sit on the committed text; a different history (new query) rebuilds them
+        if self.tokens[:self.entries + 1] != context[:self.entries + 1]:
+            self.entries = 0
+        crop_cache(self.cache, self.entries)
+        f = self._step(self.feats[self.entries:m - 1], context[self.entries + 1:m])
+        self.entries = m - 1
+        self.tokens = list(context)
+        tokens, dists = [], []
+        for i in range(L):
+            if i > 0:
+                if keep_going is not None and not keep_going(i, dists[-1], hidden=self.draft_hidden[-1]):
+                    break
+                f = self._step(f.unsqueeze(0), [tokens[-1]])
+            self.draft_hidden.append(f.float())
+            tok, dist = choose_token(self.head.logits(f).float(), self.sampling, self.generator)
+            tokens.append(int(tok))
+            dists.append(dist)
+        crop_cache(self.cache, self.entries)  # drop entries built from predicted features
+        return Draft(torch.tensor(tokens), q=torch.stack(dists), hidden=torch.stack(self.draft_hidden))
+
+    def calibration_features(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.target_hidden is None:
+            self.target_hidden = self.feats[-1] if self.feats is not None else None
+        if self.target_hidden is None:
+            raise UserError("Cali-TS needs the target's hidden states (Target(want_hidden=True))")
+        return self.target_hidden, self.draft_hidden[i - 1]
+
+
+@register("eagle")
+def _make(env: ArmEnv, path: str, L: int = 4, name: str | None = None):
+    head = load_head(path, env.target_model, expect="eagle")
+    if env.target is not None:
+        env.target.want_hidden = True
+    return EagleArm(head, env.target_model, env.sampling, L, env.generator, label=name, target=env.target)

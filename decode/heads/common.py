@@ -1,0 +1,146 @@
+"""Plumbing shared by the heads: building a partial decoder stack out of the target's own HF
+modules, and saving/loading the trainable weights of a head as a folder."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..errors import UserError
+
+HEAD_WEIGHTS = "head.safetensors"
+HEAD_CONFIG = "head.json"
+
+
+def base_model(target: nn.Module) -> nn.Module:
+    """The decoder stack (``LlamaModel``/``Qwen2Model``...) under a causal-LM wrapper."""
+    dec = target.get_decoder() if hasattr(target, "get_decoder") else None
+    if dec is None or not hasattr(dec, "layers"):
+        dec = getattr(target, "model", None)
+    if dec is None or not hasattr(dec, "layers"):
+        raise UserError(f"{type(target).__name__} has no decoder layer stack (.model.layers); "
+                        "self-drafting heads need a decoder-only HF causal LM")
+    return dec
+
+
+def sub_config(config, layer_sources: list[int]):
+    """Copy of the target config for a stack made of the target's layers ``layer_sources``
+    (keeps per-layer attention types such as sliding windows aligned with the layers used)."""
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = len(layer_sources)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        cfg.layer_types = [types[i] for i in layer_sources]
+    return cfg
+
+
+def clone_layer(layer: nn.Module, layer_idx: int) -> nn.Module:
+    """Deep copy of a target decoder layer re-indexed to ``layer_idx`` (its slot in a KV cache)."""
+    new = copy.deepcopy(layer)
+    for mod in new.modules():
+        if hasattr(mod, "layer_idx"):
+            mod.layer_idx = layer_idx
+    for p in new.parameters():
+        p.requires_grad_(True)
+    return new
+
+
+def build_stack(target: nn.Module, layers: list[nn.Module], layer_sources: list[int], norm: nn.Module,
+                embed: nn.Module | None) -> nn.Module:
+    """An instance of the target's own decoder class running ``layers`` (HF forward: masks, rotary
+    embeddings and caches as the target does them). Built on the meta device, then every
+    submodule is replaced, so nothing is allocated twice."""
+    base = base_model(target)
+    cfg = sub_config(target.config, layer_sources)
+    with torch.device("meta"):
+        stack = type(base)(cfg)
+    stack.layers = nn.ModuleList(layers)
+    stack.norm = norm
+    stack.rotary_emb = copy.deepcopy(base.rotary_emb)
+    stack.embed_tokens = embed if embed is not None else base.embed_tokens
+    for name, t in list(stack.named_parameters()) + list(stack.named_buffers()):
+        if t.is_meta:
+            raise RuntimeError(f"head stack kept an uninitialised tensor '{name}'")
+    return stack
+
+
+def target_signature(target: nn.Module) -> dict:
+    cfg = target.config
+    return {"model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "vocab_size": target.get_output_embeddings().weight.shape[0],
+            "name_or_path": str(getattr(cfg, "_name_or_path", ""))}
+
+
+def check_signature(saved: dict, target: nn.Module, folder) -> None:
+    now = target_signature(target)
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
+        if saved.get(key) != now[key]:
+            raise UserError(f"head {folder} was trained for a target with {key}={saved.get(key)}, "
+                            f"but the target has {key}={now[key]}; pass the target it was trained on "
+                            f"({saved.get('name_or_path') or 'see head.json'}) or retrain the head")
+
+
+def save_head(head: nn.Module, out_dir, extra: dict | None = None) -> Path:
+    """Write ``head.safetensors`` then ``head.json`` into ``out_dir``, each via a temp file + rename
+    (``head.json`` last: a folder with it is complete). Other files there (checkpoints) are kept."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in head.trainable_state_dict().items()}
+    meta = {"kind": head.kind, **head.head_config(), **(extra or {})}
+    (out / HEAD_CONFIG).unlink(missing_ok=True)  # incomplete until the new one lands
+    fd, tmp = tempfile.mkstemp(prefix=".head.", suffix=".tmp", dir=out)
+    os.close(fd)
+    try:
+        save_file(state, tmp)
+        os.replace(tmp, out / HEAD_WEIGHTS)
+        fd, tmp = tempfile.mkstemp(prefix=".head.", suffix=".tmp", dir=out)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(meta, indent=2, sort_keys=True))
+        os.replace(tmp, out / HEAD_CONFIG)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def read_head_config(folder) -> dict:
+    path = Path(folder) / HEAD_CONFIG
+    if not path.is_file():
+        raise UserError(f"{folder} is not a trained head folder (no {HEAD_CONFIG}); train one with "
+                        "`make train-eagle`, `make train-early-exit` or `make train-calibrator`")
+    return json.loads(path.read_text())
+
+
+def load_head(folder, target: nn.Module | None = None, *, expect: str | None = None) -> nn.Module:
+    """Rebuild a saved head (on top of ``target`` for the heads that wrap it)."""
+    from .calibrator import CalibrationPredictor
+    from .eagle import EagleHead
+    from .early_exit import EarlyExitDrafter
+
+    meta = read_head_config(folder)
+    kinds = {"eagle": EagleHead, "early_exit": EarlyExitDrafter, "calibrator": CalibrationPredictor}
+    kind = meta.get("kind")
+    if kind not in kinds:
+        raise UserError(f"{folder}/{HEAD_CONFIG}: unknown head kind '{kind}' (known: {', '.join(kinds)})")
+    if expect is not None and kind != expect:
+        raise UserError(f"{folder} holds a '{kind}' head, expected '{expect}'")
+    head = kinds[kind].from_head_config(meta, target)
+    state = load_file(str(Path(folder) / HEAD_WEIGHTS))
+    head.load_trainable_state_dict(state)
+    return head.eval()
+
+
+def load_strict(module: nn.Module, state: dict[str, torch.Tensor], expected: set[str], what: str) -> None:
+    missing = expected - set(state)
+    unexpected = set(state) - expected
+    if missing or unexpected:
+        raise UserError(f"{what}: saved weights do not match the head (missing {sorted(missing)[:3]}, "
+                        f"unexpected {sorted(unexpected)[:3]}); retrain or pass the matching target")
+    module.load_state_dict(state, strict=False)

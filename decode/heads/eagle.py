@@ -1,0 +1,97 @@
+"""EAGLE feature head (ALGORITHMS.md §5): concat(embedding of x_{t+1}, feature f_t) → linear 2d→d →
+one decoder layer of the target's architecture family → predicted feature f_{t+1}; tokens come
+from the target's frozen LM head.
+
+Feature = the target's final-layer hidden state after the final norm, i.e. exactly the input of
+the LM head (what EAGLE's reference code feeds: ``model.model(...)[0]``; "second-to-top" = the
+layer under the LM head). It is what the verification forward already returns, so decoding needs
+no extra target computation. The head therefore predicts a post-norm feature and has no norm of
+its own. The decoder layer is the target's own HF layer class (a copy of its last layer as the
+initial weights), run through the target's decoder class so masks/rotary/KV cache are HF's.
+The target's embedding and LM head are used, not owned: they are neither trained nor saved.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from .common import (base_model, build_stack, check_signature, clone_layer, load_strict, sub_config,
+                     target_signature)
+
+
+class EagleHead(nn.Module):
+    kind = "eagle"
+
+    INITS = ("identity", "last_layer", "random")
+
+    def __init__(self, target: nn.Module, init: str = "identity"):
+        """init: ``identity`` = the target's last layer with its output projections zeroed, so the
+        head starts as f̂_{t+1} = f_t and learns a residual (a copy of the last layer applied to a
+        post-norm feature starts far off); ``last_layer`` = plain copy; ``random`` = fresh layer."""
+        super().__init__()
+        if init not in self.INITS:
+            raise UserError(f"eagle head init must be one of {', '.join(self.INITS)}, got '{init}'")
+        base = base_model(target)
+        total = len(base.layers)
+        d = target.config.hidden_size
+        self._signature = target_signature(target)
+        self.init = init
+        layer = clone_layer(base.layers[-1], 0)
+        if init == "identity":
+            with torch.no_grad():
+                for name, p in layer.named_parameters():
+                    if name.endswith(("o_proj.weight", "down_proj.weight", "o_proj.bias", "down_proj.bias")):
+                        p.zero_()
+        if init == "random":
+            layer = type(base.layers[-1])(sub_config(target.config, [total - 1]), 0).to(
+                next(base.parameters()).device)
+        # tuple: the target's modules are used but not registered (not trained, not saved)
+        self._shared = (base.embed_tokens, target.get_output_embeddings())
+        self.model = build_stack(target, [layer], [total - 1], norm=nn.Identity(), embed=nn.Identity())
+        p = next(base.parameters())
+        self.fc = nn.Linear(2 * d, d, bias=True, device=p.device, dtype=p.dtype)
+        with torch.no_grad():  # start as "pass the feature through" so early training is stable
+            self.fc.weight.zero_()
+            self.fc.weight[:, d:].copy_(torch.eye(d))
+            self.fc.bias.zero_()
+
+    @property
+    def embed(self) -> nn.Module:
+        return self._shared[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._shared[1]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.state_dict())
+
+    def trainable_parameters(self):
+        return list(self.parameters())
+
+    def load_trainable_state_dict(self, state) -> None:
+        load_strict(self, state, set(self.state_dict()), "eagle head")
+
+    def head_config(self) -> dict:
+        return {"init": self.init, "target": self._signature}
+
+    @classmethod
+    def from_head_config(cls, meta: dict, target) -> "EagleHead":
+        if target is None:
+            raise UserError("an EAGLE head needs its target model to be rebuilt")
+        check_signature(meta.get("target", {}), target, "EAGLE head")
+        return cls(target, init=meta.get("init", "identity"))
+
+    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, past_key_values=None,
+                attention_mask=None, use_cache: bool = False) -> torch.Tensor:
+        """features [B, T, d] (f_0..f_{T-1}), next_tokens [B, T] (x_1..x_T) → predicted f_1..f_T."""
+        with torch.no_grad():
+            e = self.embed(next_tokens)
+        x = self.fc(torch.cat([e.to(features.dtype), features], dim=-1))
+        out = self.model(inputs_embeds=x, attention_mask=attention_mask, past_key_values=past_key_values,
+                         use_cache=use_cache)
+        return out.last_hidden_state
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(features)
