@@ -28,3 +28,34 @@ test-fast: $(STAMP)
 
 clean-venv:
 	rm -rf .venv
+
+# Self-drafting heads (recipes/heads/*.yaml): make train-eagle TASK=math [MAX_STEPS=n] [ARGS="key=value ..."]
+TASK ?= math
+HEAD_OVERRIDES = $(if $(MAX_STEPS),train.max_steps=$(MAX_STEPS)) $(ARGS)
+.PHONY: train-eagle train-early-exit train-calibrator
+
+train-eagle: $(STAMP)
+	$(PY) scripts/train_eagle.py --task $(TASK) $(HEAD_OVERRIDES)
+
+train-early-exit: $(STAMP)
+	$(PY) scripts/train_early_exit.py --task $(TASK) $(HEAD_OVERRIDES)
+
+train-calibrator: $(STAMP)
+	$(PY) scripts/train_calibrator.py --task $(TASK) $(HEAD_OVERRIDES)
+
+# Task drafters on `make distill` data, launched with DeepSpeed (CPU here, GPUs/nodes unchanged):
+#   make train-drafter TASK=math [MAX_STEPS=n] [DRAFTER_RECIPE=recipes/drafters/<name>.yaml] [ARGS="key=value ..."]
+#   two-stage: make train-drafter TASK=all, then DRAFTER_RECIPE=recipes/drafters/cpu-small-ft.yaml per task
+DRAFTER_RECIPE ?= recipes/drafters/cpu-small.yaml
+DEEPSPEED ?= .venv/bin/deepspeed
+.PHONY: train-drafter
+
+train-drafter: $(STAMP)
+	$(DEEPSPEED) scripts/train_drafter.py --recipe $(DRAFTER_RECIPE) --task $(TASK) \
+		$(if $(MAX_STEPS),train.max_steps=$(MAX_STEPS)) $(ARGS)
+
+# Self-distillation: the target answers a task's prompts (recipes/tasks/<TASK>.yaml) → runs/distill/<TASK>/.
+# make distill TASK=math [TARGET=smollm2-135m-instruct] [N=64] [ARGS="generation.batch_size=16 ..."]
+.PHONY: distill
+distill: $(STAMP)
+	$(PY) -m toolkit distill --task $(TASK) $(if $(TARGET),target=$(TARGET)) $(if $(N),num_prompts=$(N)) $(ARGS)

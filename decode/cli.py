@@ -15,6 +15,8 @@ from .errors import UserError
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, help)
     "eval": ("decode.evaluate", "evaluate arms and policies against autoregressive decoding"),
+    "bench-verify": ("decode.bench_verify", "time the fused Triton verifier vs the PyTorch reference (GB/s)"),
+    "simulate": ("decode.simulate", "stopping-time regret of policies on synthetic or replayed bandit instances"),
 }
 
 
