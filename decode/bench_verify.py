@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import platform
 import statistics
 import time
@@ -21,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import UserError
+from .io import atomic_write_json, atomic_write_text
 from .sampling import SamplingConfig
 from .verify.reference import verify_reference
 
@@ -104,13 +103,6 @@ def _time(fn, device: torch.device, args) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _fmt(x, spec):
@@ -199,11 +191,11 @@ def run(args) -> int:
                 same = (a.accepted.cpu() == b.accepted.cpu()) & (a.next_token.cpu() == b.next_token.cpu())
                 row["match"] = float(same.float().mean())
         report["points"].append(row)
-        _atomic_write(out, json.dumps(report, indent=1))
+        atomic_write_json(out, report)
         del logits, tokens, q, u
     table = markdown(report)
-    _atomic_write(out, json.dumps(report, indent=1))
-    _atomic_write(out.with_suffix(".md"), table + "\n")
+    atomic_write_json(out, report)
+    atomic_write_text(out.with_suffix(".md"), table + "\n")
     print(table)
     print(f"\nwrote {out} and {out.with_suffix('.md')}")
     return 0

@@ -10,7 +10,7 @@ import importlib
 import os
 import sys
 
-from .errors import UserError
+from .errors import run_user_command
 
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, help)
@@ -20,25 +20,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def dispatch(prog: str, description: str, commands: dict[str, tuple[str, str]], argv: list[str] | None = None,
+             interrupted: str = "interrupted") -> int:
+    """Build one argparse sub-command per ``commands`` entry (lazily importing its module) and run it."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser = argparse.ArgumentParser(prog="decode", description="Adaptive speculative decoding.")
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
-    for name, (mod_name, help_text) in COMMANDS.items():
+    for name, (mod_name, help_text) in commands.items():
         mod = importlib.import_module(mod_name)
         p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().splitlines()[0])
         mod.add_arguments(p)
         modules[name] = mod
     args = parser.parse_args(argv)
-    try:
-        return int(modules[args.command].run(args) or 0)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_user_command(modules[args.command].run, args, interrupted=interrupted)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return dispatch("decode", "Adaptive speculative decoding.", COMMANDS, argv)
 
 
 if __name__ == "__main__":

@@ -6,3 +6,16 @@ class UserError(Exception):
 
     The message must name the offending field/value and the fix.
     """
+
+
+def run_user_command(fn, *args, interrupted: str = "interrupted") -> int:
+    """Run a CLI body: a UserError prints one line and exits 2, Ctrl-C prints ``interrupted`` and exits 130."""
+    import sys
+    try:
+        return int(fn(*args) or 0)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return 130

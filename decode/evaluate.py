@@ -6,8 +6,6 @@ Writes report.json (config, one record per (method, prompt), summary per method)
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import time
 from dataclasses import dataclass
@@ -21,6 +19,8 @@ from .arms import ArmEnv, build_arm
 from .arms.none import NoSpecArm
 from .engine import Generation, SpecEngine
 from .errors import UserError
+from .io import atomic_write_json, atomic_write_text
+from .length import build_length
 from .models import DEFAULT_TARGET, load_model
 from .policies import build_policy
 from .policies.simple import Fixed
@@ -28,6 +28,7 @@ from .sampling import SamplingConfig
 from .specs import split_specs
 from .suites import BUILTIN, Prompt, encode_prompt, load_jsonl_suite, select
 from .target import Target
+from .traces import write_traces
 from .verify import BACKENDS, Verifier
 
 AR = "autoregressive"
@@ -44,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="arm specs separated by ';' (e.g. 'pld:L=4;suffix:L=8;drafter:path=DIR,L=4;none')")
     p.add_argument("--pool", help="pool YAML (recipes/pools/*.yaml); its arms are added to --arms")
     p.add_argument("--policies", default="ucbspec,exp3spec", help="policy specs, ',' or ';' separated")
+    p.add_argument("--length", help="draft-length controller for every arm and policy run: fixed (default), "
+                                    "beta-ts[:alpha=..,beta=..], cali-ts[:predictor=top1|<calibrator folder>]")
+    p.add_argument("--record-traces", metavar="PATH",
+                   help="also record counterfactual traces (every arm scored at every position of the "
+                        "autoregressive output) for `decode simulate --traces PATH`; an extra pass per prompt")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -182,11 +188,19 @@ def markdown_table(summary: dict, cats: list[str]) -> str:
     return "\n".join(rows)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _record_traces(args, methods: list[Method], prompts: list[Prompt], encoded: list[list[int]], gen) -> None:
+    """Dense counterfactual traces (decode/traces.py): for each prompt, the fixed-first-arm output is
+    re-scored by every arm at every position; a separate pass so timed runs above stay untouched."""
+    engine = next(m.engine for m in methods if m.kind == "arm")
+    traces = []
+    for pi, (p, ids) in enumerate(tqdm(list(zip(prompts, encoded)), desc="traces", unit="prompt",
+                                       disable=args.no_progress)):
+        gen.manual_seed(args.seed * 1_000_003 + pi)
+        g = engine.generate(ids, Fixed(len(engine.arms), engine.max_len, arm=0), args.max_new_tokens, trace="dense")
+        g.trace.meta = {"id": p.id, "category": p.category}
+        traces.append(g.trace)
+    write_traces(args.record_traces, traces)
+    print(f"traces: {args.record_traces}  (replay: python -m decode simulate --traces {args.record_traces})")
 
 
 def run(args) -> int:
@@ -195,6 +209,7 @@ def run(args) -> int:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     arm_specs = _arm_specs(args)
     policy_specs = split_specs(args.policies or "")
+    build_length(args.length, args.seed)  # validate before loading anything
     prompts = load_jsonl_suite(args.suite) if args.suite else list(BUILTIN)
     cats_arg = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = select(prompts, cats_arg, args.limit)
@@ -208,7 +223,8 @@ def run(args) -> int:
     verifier = Verifier(sampling, args.verifier, gen)
     eos = _eos_ids(model, tok)
     methods, labels = build_methods(target, env, arm_specs, policy_specs, verifier, eos)
-    if any(a.uses_target_hidden for a in methods[-1].engine.arms):
+    length = build_length(args.length, args.seed)
+    if any(a.uses_target_hidden for a in methods[-1].engine.arms) or length.needs_target_hidden:
         target.want_hidden = True
     encoded = [encode_prompt(tok, p.text) for p in prompts]
 
@@ -223,11 +239,14 @@ def run(args) -> int:
             n_arms = len(m.engine.arms)
             policy = Fixed(n_arms, m.engine.max_len, arm=m.fixed) if m.policy_spec is None else \
                 build_policy(m.policy_spec, n_arms, m.engine.max_len, seed=args.seed + pi)
-            g = m.engine.generate(ids, policy, args.max_new_tokens)
+            g = m.engine.generate(ids, policy, args.max_new_tokens,
+                                  length=None if m.kind == "autoregressive" else length)
             records.append(_record(m, p, g, tok, labels))
             bar.set_postfix_str(f"{m.name[:24]} {len(g.tokens) / max(g.wall_time, 1e-9):.1f} tok/s")
             bar.update()
     bar.close()
+    if args.record_traces:
+        _record_traces(args, methods, prompts, encoded, gen)
 
     names = [m.name for m in methods]
     arm_methods = [m.name for m in methods if m.kind == "arm"]
@@ -243,8 +262,8 @@ def run(args) -> int:
     }
     out = Path(args.out)
     table = markdown_table(summary, cats)
-    _atomic_write(out, json.dumps(report, indent=1))
-    _atomic_write(out.with_suffix(".md"), table + "\n")
+    atomic_write_json(out, report)
+    atomic_write_text(out.with_suffix(".md"), table + "\n")
     print(table)
     print(f"\nreport: {out}  (table: {out.with_suffix('.md')})")
     return 0

@@ -27,6 +27,7 @@ class LengthController:
     """Fixed L: draft up to the arm's speculation length (no early stop)."""
 
     name = "fixed"
+    needs_target_hidden = False  # True: observe_target() must receive the target's hidden states
 
     def __init__(self, seed: int = 0, carry: bool = False):
         self.seed = seed
@@ -116,19 +117,24 @@ class CaliTS(LengthController):
     positions over those rounds (θ̂_0 before any):
       μ = σ_S²/(nσ_M² + σ_S²)·θ_M + nσ_M²/(nσ_M² + σ_S²)·θ̂,  σ² = σ_M²σ_S²/(σ_S² + nσ_M²);
       θ ~ N(μ, σ²), χ ~ Bernoulli(clip(θ, 0, 1)); stop when χ = 0.
-    ``predictor`` is any callable CaliContext → θ_M (or None = fall back to θ̂_0); a trained
-    calibration head plugs in here.
+    ``predictor`` is any callable CaliContext → θ_M (or None = fall back to θ̂_0); from a spec
+    string: ``predictor=top1`` (the drafter's own top-1 probability, the default) or
+    ``predictor=<folder>`` (a calibrator trained by ``make train-calibrator``; it reads the target's
+    hidden states, so the evaluator turns them on when ``needs_target_hidden``).
     """
 
     name = "cali-ts"
 
     def __init__(self, sigma_m: float = 0.2, sigma_s: float = 0.5, theta0: float = 0.6,
-                 predictor: Predictor | None = None, seed: int = 0, carry: bool = False):
+                 predictor: Predictor | str | None = None, seed: int = 0, carry: bool = False):
         if sigma_m <= 0 or sigma_s <= 0:
             raise UserError(f"cali-ts: sigma_m and sigma_s must be > 0, got {sigma_m}, {sigma_s}")
         if not 0 <= theta0 <= 1:
             raise UserError(f"cali-ts: theta0 must be in [0, 1], got {theta0}")
         self.sigma_m, self.sigma_s, self.theta0 = float(sigma_m), float(sigma_s), float(theta0)
+        self.needs_target_hidden = isinstance(predictor, str) and predictor != "top1"
+        if isinstance(predictor, str):
+            predictor = top1_predictor if predictor == "top1" else _load_trained_predictor(predictor)
         self.predictor = predictor or top1_predictor
         super().__init__(seed, carry)
 
@@ -165,6 +171,15 @@ class CaliTS(LengthController):
 
     def observe_target(self, hidden):
         self.target_hidden = hidden
+
+
+def _load_trained_predictor(folder: str) -> Predictor:
+    from pathlib import Path
+    if not Path(folder).is_dir():
+        raise UserError(f"cali-ts: predictor '{folder}' is neither 'top1' nor a calibrator folder; train one "
+                        "with `make train-calibrator TASK=...` and pass predictor=<its output folder>")
+    from .heads.calibrator import load_predictor
+    return load_predictor(folder)
 
 
 _REGISTRY: dict[str, Callable[..., LengthController]] = {

@@ -37,7 +37,7 @@ def process_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if cfg.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_x, dim=-1)
         # drop a token when the mass strictly before it already reaches top_p (keeps at least one)
         before = torch.cumsum(probs, dim=-1) - probs

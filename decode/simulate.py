@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import math
 import os
 import time
@@ -31,6 +30,7 @@ from tqdm.auto import tqdm
 from . import metrics
 from .draft import RoundRecord
 from .errors import UserError
+from .io import atomic_write_json, atomic_write_text
 from .policies import build_policy, policy_names
 from .policies.simple import Fixed
 from .specs import split_specs
@@ -339,14 +339,10 @@ def run(args) -> int:
     elapsed = time.perf_counter() - t0
     config.update({"policies": specs, "seeds": args.seeds, "arm_labels": labels, "seconds": round(elapsed, 2)})
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"config": config, "summary": summary}
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, out)
+    atomic_write_json(out, {"config": config, "summary": summary})
     table = markdown_table(summary)
     md = out.with_suffix(".md")
-    md.write_text(f"# {title}\n\n{table}\n")
+    atomic_write_text(md, f"# {title}\n\n{table}\n")
     if not args.no_plot:
         plot(summary, out.with_suffix(".png"), title)
     print(table)

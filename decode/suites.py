@@ -5,11 +5,11 @@ Only the first turn is used (single-turn evaluation).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
+from .io import iter_jsonl
 
 
 @dataclass(frozen=True)
@@ -27,23 +27,16 @@ def load_jsonl_suite(path: str | Path) -> list[Prompt]:
     if not p.is_file():
         raise UserError(f"--suite {path}: file not found (expected a Spec-Bench style JSONL)")
     prompts = []
-    with p.open() as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"--suite {path}:{lineno}: not valid JSON ({exc.msg})") from exc
-            missing = [k for k in REQUIRED if k not in row]
-            if missing:
-                raise UserError(f"--suite {path}:{lineno}: missing field(s) {', '.join(missing)}; each row "
-                                f"needs question_id, category and turns (a list of user turns)")
-            turns = row["turns"]
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
-                raise UserError(f"--suite {path}:{lineno}: 'turns' must be a non-empty list whose first "
-                                f"element is a non-empty string")
-            prompts.append(Prompt(str(row["question_id"]), str(row["category"]), turns[0]))
+    for lineno, row in iter_jsonl(p, "--suite"):
+        missing = [k for k in REQUIRED if k not in row]
+        if missing:
+            raise UserError(f"--suite {path}:{lineno}: missing field(s) {', '.join(missing)}; each row "
+                            f"needs question_id, category and turns (a list of user turns)")
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
+            raise UserError(f"--suite {path}:{lineno}: 'turns' must be a non-empty list whose first "
+                            f"element is a non-empty string")
+        prompts.append(Prompt(str(row["question_id"]), str(row["category"]), turns[0]))
     if not prompts:
         raise UserError(f"--suite {path}: no prompts in file")
     return prompts

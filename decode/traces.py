@@ -32,6 +32,7 @@ import torch
 
 from .draft import Draft
 from .errors import UserError
+from .io import atomic_write_json
 
 VERSION = 1
 MODES = ("rounds", "dense")
@@ -161,12 +162,8 @@ def dense_trace(engine, prompt_ids: list[int], tokens: list[int], max_new_tokens
 
 def write_traces(path: str | os.PathLike, traces: list[Trace | dict]) -> None:
     """Write traces atomically as JSON (parent folders are created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = {"version": VERSION, "traces": [t.to_dict() if isinstance(t, Trace) else t for t in traces]}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    atomic_write_json(path, data, indent=None)
 
 
 def load_traces(path: str | os.PathLike) -> list[Trace]:

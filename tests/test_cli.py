@@ -41,11 +41,35 @@ def test_eval_sampling_mode_runs(tiny_target_dir, tmp_path):
     assert rep["summary"]["arm:pld@3"]["lossless"] is None  # only defined for greedy
 
 
+def test_eval_length_controller_and_recorded_traces_replay(tiny_target_dir, tmp_path):
+    """--length runs every arm/policy under Beta-TS (still lossless); --record-traces writes dense traces
+    that `decode simulate --traces` replays, with one trace per prompt tagged with its id and category."""
+    out, traces = tmp_path / "r.json", tmp_path / "traces.json"
+    r = run_eval("--target", tiny_target_dir, "--arms", "pld:L=3;suffix:L=4", "--policies", "ucbspec",
+                 "--length", "beta-ts:alpha=2", "--max-new-tokens", "10", "--categories", "code,chat",
+                 "--record-traces", str(traces), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["config"]["length"] == "beta-ts:alpha=2"
+    assert all(s["lossless"] for s in rep["summary"].values())
+    from decode.traces import load_traces
+    tr = load_traces(traces)
+    assert sorted(t.meta["category"] for t in tr) == ["chat", "code"]
+    assert all(t.arm_labels == ["pld@3", "suffix@4"] and t.n_tokens > 0 for t in tr)
+    sim = subprocess.run([sys.executable, "-m", "decode", "simulate", "--no-progress", "--no-plot", "--seeds", "2",
+                          "--traces", str(traces), "--policies", "ucbspec", "--out", str(tmp_path / "sim.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert sim.returncode == 0, sim.stderr
+    assert "ucbspec" in json.loads((tmp_path / "sim.json").read_text())["summary"]["policies"]
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--arms", "bogus:L=2"], "unknown arm 'bogus'"),
     (["--policies", "bogus"], "unknown policy 'bogus'"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--length", "warp"], "unknown length controller 'warp'"),
+    (["--length", "cali-ts:predictor=/no/such/dir"], "make train-calibrator"),
     (["--categories", "nope"], "not in the suite"),
     (["--target", "/does/not/exist"], "unknown model"),
 ])

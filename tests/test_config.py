@@ -139,3 +139,14 @@ def test_load_recipe_file_errors(tmp_path):
     typo.write_text("name: x\nopt:\n  lr: fast\n")
     with pytest.raises(UserError, match=r"recipe .*typo.yaml: field 'opt.lr' must be a number"):
         load_recipe(Toy, typo)
+
+
+def test_scientific_notation_is_a_number_although_yaml_1_1_reads_it_as_text(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("name: n\nopt:\n  lr: 1e-3\n  betas: [9e-1, 2E-2]\n")
+    t = load_recipe(Toy, p, ["opt.steps=4"])
+    assert t.opt.lr == pytest.approx(1e-3) and t.opt.betas == [pytest.approx(0.9), pytest.approx(0.02)]
+    assert load_recipe(Toy, p, ["opt.lr=5e-4"]).opt.lr == pytest.approx(5e-4)
+    with pytest.raises(UserError, match="opt.lr"):
+        load_recipe(Toy, p, ["opt.lr=fast"])
+    assert load_recipe(Toy, p, ["name=1e-3"]).name == "1e-3"  # a str field keeps the text

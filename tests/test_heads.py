@@ -239,9 +239,10 @@ def test_train_heads_smoke_then_decode_losslessly(tiny_distilled):
 
     env = ArmEnv(target, TinyTokenizer(target.config.vocab_size), GREEDY)
     arms = [build_arm(f"early_exit:path={d / 'ee'},L=4", env), build_arm(f"eagle:path={d / 'eagle'},L=3", env)]
-    from decode.heads.calibrator import load_predictor
-    from decode.length import CaliTS
-    ctl = CaliTS(predictor=load_predictor(d / "cal"))
+    from decode.heads.calibrator import TrainedThetaM
+    from decode.length import build_length
+    ctl = build_length(f"cali-ts:predictor={d / 'cal'}")  # as `decode eval --length` builds it
+    assert isinstance(ctl.predictor, TrainedThetaM) and ctl.needs_target_hidden
     target_w = Target(target, want_hidden=True)
     for a in arms:
         a.target = target_w

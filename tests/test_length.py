@@ -115,3 +115,11 @@ def test_greedy_lossless_with_controllers():
             assert gen.tokens == ref, (spec, policy)
             short += sum(1 for r in gen.rounds[:-1] if 0 < r.drafted < r.max_len)
         assert short > 0, spec  # the controller really stopped some drafts early
+
+
+def test_cali_ts_predictor_from_spec_string(tmp_path):
+    from decode.length import CaliTS, top1_predictor
+    ctl = build_length("cali-ts:predictor=top1")
+    assert isinstance(ctl, CaliTS) and ctl.predictor is top1_predictor and not ctl.needs_target_hidden
+    with pytest.raises(UserError, match="make train-calibrator"):
+        build_length(f"cali-ts:predictor={tmp_path / 'missing'}")

@@ -5,12 +5,9 @@ in :data:`COMMANDS` (one line each), as in :mod:`decode.cli`.
 """
 from __future__ import annotations
 
-import argparse
-import importlib
-import os
 import sys
 
-from decode.errors import UserError
+from decode.cli import dispatch
 
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, help)
@@ -20,24 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser = argparse.ArgumentParser(prog="toolkit", description="Build datasets, drafters and heads for decode.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
-    for name, (mod_name, help_text) in COMMANDS.items():
-        mod = importlib.import_module(mod_name)
-        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().splitlines()[0])
-        mod.add_arguments(p)
-        modules[name] = mod
-    args = parser.parse_args(argv)
-    try:
-        return int(modules[args.command].run(args) or 0)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted (rerun the same command to resume)", file=sys.stderr)
-        return 130
+    return dispatch("toolkit", "Build datasets, drafters and heads for decode.", COMMANDS, argv,
+                    interrupted="interrupted (rerun the same command to resume)")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ import yaml
 from decode.errors import UserError
 
 T = TypeVar("T")
+_SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 DISCRIMINATOR = "type"
 
 
@@ -155,6 +157,8 @@ def _coerce(tp, value, path: tuple, ctx: _Ctx):
             raise ctx.fail(path, f"must be an integer, got {value!r} ({type(value).__name__})")
         return value
     if tp is float:
+        if isinstance(value, str) and _SCI_FLOAT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 (PyYAML) reads `1e-3` as a string; it is meant as a number
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ctx.fail(path, f"must be a number, got {value!r} ({type(value).__name__})")
         return float(value)

@@ -32,6 +32,7 @@ from typing import Callable, Literal
 import torch
 
 from decode.errors import UserError
+from decode.io import atomic_write_json
 from decode.models import DEFAULT_TARGET
 from decode.sampling import SamplingConfig, choose_token
 
@@ -236,9 +237,7 @@ def _shard_path(out: Path, k: int) -> Path:
 
 
 def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, obj, indent=2)
 
 
 def _write_shard(path: Path, rows: list[dict], meta: dict) -> None:

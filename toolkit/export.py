@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from decode.errors import UserError
+from decode.io import atomic_write_json
 from decode.models import vocab_fingerprint
 
 FORMAT = 1
@@ -90,9 +91,7 @@ def write_eval(path: str | Path, metrics: dict, meta_file: str = DRAFTER_META) -
     meta = read_metadata(path, meta_file)
     meta["eval"] = metrics
     for name, obj in ((EVAL_FILE, metrics), (meta_file, meta)):
-        tmp = path / f".{name}.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
-        os.replace(tmp, path / name)
+        atomic_write_json(path / name, obj, indent=2)
 
 
 def check_target(path: str | Path, target_tokenizer, meta_file: str = DRAFTER_META) -> dict:

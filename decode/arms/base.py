@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -10,6 +10,9 @@ from ..draft import Draft
 from ..errors import UserError
 from ..sampling import SamplingConfig
 from ..specs import parse_spec
+
+if TYPE_CHECKING:
+    from ..target import Target
 
 # keep_going(position i (0-based), drafter's distribution row or None) -> draft another token?
 # Draft-length controllers (fixed L, Beta-TS, Cali-TS) plug in here.

@@ -30,9 +30,8 @@ Bytes read per call (E = element size of the logits):
   * top-k / top-p: the per-row cut (a threshold logit plus a tie index) is computed by a PyTorch
     pre-pass (``torch.topk`` / ``torch.sort``) that reads the logits several more times; only
     temperature-only sampling and greedy are single-read. The cut reproduces ``process_logits``
-    exactly, except that inside a run of equal logits at a top-p cut the kernel keeps the lowest
-    indices (stable sort order) where ``process_logits``' unstable ``torch.sort`` keeps an
-    implementation-defined subset.
+    exactly, ties included: both keep the lowest indices inside a run of equal logits at a top-p
+    cut (stable sort order).
 
 Numerics: float32 throughout; greedy results equal the reference exactly; sampling results equal
 it draw for draw except when a uniform lands within float rounding (~1e-7 relative) of a decision

@@ -14,13 +14,13 @@ different words is still caught. Evaluation texts under 4 words only match exact
 """
 from __future__ import annotations
 
-import json
 import re
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
 from decode.errors import UserError
+from decode.io import iter_jsonl
 
 DEFAULT_EVAL_FILES = ("../shared/data/spec_bench/question_dev.jsonl",)
 _NON_WORD = re.compile(r"[\W_]+", re.UNICODE)
@@ -36,24 +36,17 @@ def normalize(text: str) -> str:
 
 
 def _eval_texts(path: Path) -> Iterable[str]:
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"leakage.eval_files: {path}:{lineno} is not valid JSON ({exc.msg})") from None
-            found = False
-            for key in ("turns", "question", "prompt", "text"):
-                v = row.get(key)
-                for t in (v if isinstance(v, list) else [v]):
-                    if isinstance(t, str) and t.strip():
-                        found = True
-                        yield t
-            if not found:
-                raise UserError(f"leakage.eval_files: {path}:{lineno} has none of the fields turns/question/"
-                                f"prompt/text; point leakage.eval_files at evaluation question files")
+    for lineno, row in iter_jsonl(path, "leakage.eval_files"):
+        found = False
+        for key in ("turns", "question", "prompt", "text"):
+            v = row.get(key)
+            for t in (v if isinstance(v, list) else [v]):
+                if isinstance(t, str) and t.strip():
+                    found = True
+                    yield t
+        if not found:
+            raise UserError(f"leakage.eval_files: {path}:{lineno} has none of the fields turns/question/"
+                            f"prompt/text; point leakage.eval_files at evaluation question files")
 
 
 class EvalIndex:

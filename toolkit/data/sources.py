@@ -36,6 +36,7 @@ from typing import Literal, Union
 from urllib.parse import urlparse
 
 from decode.errors import UserError
+from decode.io import iter_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_GSM8K = "../shared/data/gsm8k/train.jsonl"
@@ -142,20 +143,13 @@ def _text(value, where: str) -> str | None:
 # --------------------------------------------------------------------------- loaders
 
 def _iter_jsonl(path: Path, field: str, label: str, where: str) -> Iterator[Prompt]:
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{where}: {path}:{lineno} is not valid JSON ({exc.msg})") from None
-            if field not in row:
-                raise UserError(f"{where}: {path}:{lineno} has no field '{field}' (fields: {', '.join(row)}); "
-                                f"set {where}.field to the prompt column")
-            text = _text(row[field], f"{where}: {path}:{lineno}")
-            if text is not None:
-                yield Prompt(text, label)
+    for lineno, row in iter_jsonl(path, where):
+        if field not in row:
+            raise UserError(f"{where}: {path}:{lineno} has no field '{field}' (fields: {', '.join(row)}); "
+                            f"set {where}.field to the prompt column")
+        text = _text(row[field], f"{where}: {path}:{lineno}")
+        if text is not None:
+            yield Prompt(text, label)
 
 
 def _iter_parquet(path: Path, field: str, label: str, where: str) -> Iterator[Prompt]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from decode.errors import UserError
+from decode.errors import UserError, run_user_command
 from decode.models import DEFAULT_TARGET, check_vocab_compatible, load_model
 
 from ..config import load_recipe, to_dict
@@ -352,11 +351,5 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Launch with python, torchrun or deepspeed; the command line is the same for all three.")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command to resume from the latest checkpoint", file=sys.stderr)
-        return 130
+    return run_user_command(run, args,
+                            interrupted="interrupted; rerun the same command to resume from the latest checkpoint")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from decode.errors import UserError
+from decode.errors import UserError, run_user_command
 from decode.models import DEFAULT_TARGET
 
 from .data import DataSection, load_examples, split_heldout, tokenize_sft
@@ -167,7 +167,6 @@ def run_main(kind: str, schema, train_fn, argv=None) -> int:
     user errors print one line and exit 2."""
     import argparse
     import os
-    import sys
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ap = argparse.ArgumentParser(description=f"train the {kind} head (recipes/heads/{kind}.yaml)")
@@ -175,10 +174,5 @@ def run_main(kind: str, schema, train_fn, argv=None) -> int:
     ap.add_argument("--task", default=None, help="task whose distilled set to train on (runs/distill/<task>)")
     ap.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. train.max_steps=20")
     args = ap.parse_args(argv)
-    try:
-        recipe = load_head_recipe(schema, kind, args.recipe, args.overrides, args.task)
-        train_fn(recipe)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_user_command(lambda: train_fn(load_head_recipe(schema, kind, args.recipe, args.overrides, args.task)),
+                            interrupted="interrupted; rerun the same command to resume from the latest checkpoint")

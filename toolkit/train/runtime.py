@@ -20,6 +20,7 @@ import torch
 from transformers import Trainer
 
 from decode.errors import UserError
+from decode.io import atomic_write_json
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEEPSPEED_DIR = REPO_ROOT / "recipes" / "deepspeed"
@@ -210,10 +211,7 @@ def resume_checkpoint(resume: str, ckpt_dir: Path, fingerprint: dict, run_file: 
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, obj, indent=2, sort_keys=True)
 
 
 # --------------------------------------------------------------------------- gathering
