@@ -230,15 +230,21 @@ def run(args) -> int:
 
     # warm-up so the first timed method does not pay one-off allocation costs
     methods[0].engine.generate(encoded[0], Fixed(1, 0), min(8, args.max_new_tokens))
-    records = []
+    records, carried = [], {}
     bar = tqdm(total=len(prompts) * len(methods), desc="eval", unit="run", disable=args.no_progress)
     for pi, (p, ids) in enumerate(zip(prompts, encoded)):
         order = methods[pi % len(methods):] + methods[:pi % len(methods)]  # rotate: noise hits all alike
         for m in order:
             gen.manual_seed(args.seed * 1_000_003 + pi)
             n_arms = len(m.engine.arms)
-            policy = Fixed(n_arms, m.engine.max_len, arm=m.fixed) if m.policy_spec is None else \
-                build_policy(m.policy_spec, n_arms, m.engine.max_len, seed=args.seed + pi)
+            if m.policy_spec is None:
+                policy = Fixed(n_arms, m.engine.max_len, arm=m.fixed)
+            elif m.name in carried:  # carry=true: one policy learns across the whole suite
+                policy = carried[m.name]
+            else:
+                policy = build_policy(m.policy_spec, n_arms, m.engine.max_len, seed=args.seed + pi)
+                if policy.carry:
+                    carried[m.name] = policy
             g = m.engine.generate(ids, policy, args.max_new_tokens,
                                   length=None if m.kind == "autoregressive" else length)
             records.append(_record(m, p, g, tok, labels))

@@ -45,12 +45,14 @@ def test_eval_length_controller_and_recorded_traces_replay(tiny_target_dir, tmp_
     """--length runs every arm/policy under Beta-TS (still lossless); --record-traces writes dense traces
     that `decode simulate --traces` replays, with one trace per prompt tagged with its id and category."""
     out, traces = tmp_path / "r.json", tmp_path / "traces.json"
-    r = run_eval("--target", tiny_target_dir, "--arms", "pld:L=3;suffix:L=4", "--policies", "ucbspec",
+    r = run_eval("--target", tiny_target_dir, "--arms", "pld:L=3;suffix:L=4",
+                 "--policies", "ucbspec;thompson:carry=true",
                  "--length", "beta-ts:alpha=2", "--max-new-tokens", "10", "--categories", "code,chat",
                  "--record-traces", str(traces), "--out", str(out))
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
     assert rep["config"]["length"] == "beta-ts:alpha=2"
+    assert "policy:thompson:carry=true" in rep["summary"]  # one policy object learnt across both prompts
     assert all(s["lossless"] for s in rep["summary"].values())
     from decode.traces import load_traces
     tr = load_traces(traces)
