@@ -88,6 +88,31 @@ def test_engine_first_two_tokens_follow_target(drafter_kind):
     assert _chi2_ok(counts, _exact_two_token_dist(target, prompt, cfg), n) > 1e-3
 
 
+@pytest.mark.parametrize("head_kind", ["early_exit", "eagle"])
+def test_self_drafting_heads_first_two_tokens_follow_target(head_kind):
+    """The heads' drafts (q from the exit layer / EAGLE feature head) keep sampling exact."""
+    from decode.arms.eagle import EagleArm
+    from decode.arms.early_exit import EarlyExitArm
+    from decode.heads import EagleHead, EarlyExitDrafter
+
+    cfg = SamplingConfig(1.0)
+    target = tiny_llama(vocab=V, hidden=16, layers=3, seed=4, peaked=4.0)
+    gen = torch.Generator().manual_seed(0)
+    wrapped = Target(target, want_hidden=True)
+    if head_kind == "early_exit":
+        arm = EarlyExitArm(EarlyExitDrafter(target, 1), cfg, L=2, generator=gen, target=wrapped)
+    else:
+        arm = EagleArm(EagleHead(target, init="last_layer"), target, cfg, L=2, generator=gen, target=wrapped)
+    eng = SpecEngine(wrapped, [arm], Verifier(cfg, generator=gen))
+    prompt = [0, 2, 4]
+    n = 2500
+    counts = np.zeros(V * V)
+    for _ in range(n):
+        toks = eng.generate(prompt, Fixed(1, 2), 2).tokens
+        counts[toks[0] * V + toks[1]] += 1
+    assert _chi2_ok(counts, _exact_two_token_dist(target, prompt, cfg), n) > 1e-3
+
+
 def test_chi2_detects_a_wrong_distribution():
     """The test above has power: a biased sampler is rejected."""
     rng = np.random.default_rng(0)
