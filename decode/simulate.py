@@ -117,13 +117,14 @@ class ReplayInstance:
                            s.tv, s.accept_prob, self.L[arm])
 
 
-def run_policy(policy, inst) -> tuple[np.ndarray, np.ndarray]:
-    """Play one query to the instance's length. Returns (arm per round, cumulative tokens)."""
+def run_policy(policy, inst) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Play one query to the instance's length. Returns (arm per round, cumulative tokens, cumulative
+    time: drafting + verification of every round so far)."""
     policy.new_query()
     n_max = inst.length
     pulls = [0] * inst.K
     pos = 0
-    arms, news = [], []
+    arms, news, times = [], [], []
     while pos < n_max:
         i = policy.select()
         rec = inst.step(i, pos, pulls[i], n_max - pos)
@@ -132,7 +133,8 @@ def run_policy(policy, inst) -> tuple[np.ndarray, np.ndarray]:
         pos += rec.new_tokens
         arms.append(i)
         news.append(rec.new_tokens)
-    return np.asarray(arms), np.cumsum(news)
+        times.append(rec.draft_time + rec.verify_time)
+    return np.asarray(arms), np.cumsum(news), np.cumsum(times)
 
 
 def stopping_times(cum: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -145,8 +147,11 @@ def _ci(x: np.ndarray) -> float:
 
 
 def simulate(instances_by_seed, policy_specs: list[str], n_arms: int, max_len: int, lengths: np.ndarray,
-             progress: bool = True) -> dict:
+             progress: bool = True, measure: str = "rounds") -> dict:
     """instances_by_seed = (makers, seeds): one callable seed → instance per instance.
+
+    measure: "rounds" (stopping time = target forwards) or "time" (the modelled/recorded drafting +
+    verification time until n tokens exist, so drafting and switching costs count).
 
     Returns per-method stopping times [instance, seed, length], best-arm ratios and the number of
     replayed rounds that started at unrecorded positions."""
@@ -166,12 +171,13 @@ def simulate(instances_by_seed, policy_specs: list[str], n_arms: int, max_len: i
                 inst.approx = 0
                 pol = Fixed(n_arms, max_len, seed=s, arm=int(m.split("=")[1])) if m.startswith("fixed:") \
                     else build_policy(m, n_arms, max_len, seed=s)
-                arms, cum = run_policy(pol, inst)
+                arms, cum, cum_time = run_policy(pol, inst)
                 approx += getattr(inst, "approx", 0)
                 ls = lengths[lengths <= cum[-1]]
                 row = np.full(len(lengths) + 1, np.nan)  # the grid, then the instance's full length
-                row[:len(ls)] = stopping_times(cum, ls)
-                row[-1] = len(arms)
+                idx = stopping_times(cum, ls)
+                row[:len(ls)] = idx if measure == "rounds" else cum_time[idx - 1]
+                row[-1] = len(arms) if measure == "rounds" else cum_time[-1]
                 per_inst[m].append(row)
                 if m in chosen:
                     chosen[m].append(arms)
@@ -228,7 +234,8 @@ def markdown_table(summary: dict, g: int = -1) -> str:
     n = (f"the full generation ({full[0]} tokens)" if len(full) == 1 else
          f"each instance's full generation ({full[0]}–{full[-1]} tokens)") if g == -1 and full else \
         f"{summary['lengths'][g]} tokens"
-    lines = [f"Stopping time (rounds) at {n}; regret vs the best fixed arm in hindsight (95% interval).", "",
+    unit = summary.get("measure", "rounds")
+    lines = [f"Stopping time ({unit}) at {n}; regret vs the best fixed arm in hindsight (95% interval).", "",
              "| method | mean ST | regret | 95% CI | best-arm ratio |", "|---|---:|---:|---:|---:|"]
     for name, d in summary["fixed"].items():
         lines.append(f"| fixed {name} | {d['mean_st'][g]:.1f} | | | |")
@@ -250,7 +257,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
         ax.fill_between(x, y - c, y + c, alpha=0.15)
     ax.set_xscale("log")
     ax.set_xlabel("generation length (tokens)")
-    ax.set_ylabel("stopping-time regret (rounds)")
+    ax.set_ylabel(f"stopping-time regret ({summary.get('measure', 'rounds')})")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
@@ -273,6 +280,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-cost", type=float, default=0.0, help="synthetic: extra verification time per drafted token")
     p.add_argument("--length", type=int, default=10000, help="synthetic: generation length in tokens")
     p.add_argument("--points", type=int, default=9, help="lengths on the log grid of the regret curve")
+    p.add_argument("--measure", choices=("rounds", "time"), default="rounds",
+                   help="stopping time in target forwards, or in time (synthetic: 1 per verification + "
+                        "--draft-cost/--verify-cost per drafted token; replay: recorded seconds)")
     p.add_argument("--seeds", type=int, default=20, help="runs per method (synthetic) or per trace (replay)")
     p.add_argument("--policies", help="policy specs separated by ';' or spaces (default: every registered policy "
                    "but fixed, with default parameters)")
@@ -333,11 +343,13 @@ def run(args) -> int:
                   "verify_cost": args.verify_cost}
     for s in specs:  # fail fast on bad names/params
         build_policy(s, n_arms, max_len)
-    res = simulate((make, seeds), specs, n_arms, max_len, lengths, progress=not args.no_progress)
+    res = simulate((make, seeds), specs, n_arms, max_len, lengths, progress=not args.no_progress,
+                   measure=args.measure)
     summary = summarize(res, specs, n_arms, lengths, labels)
+    summary["measure"] = args.measure
     summary["approx_steps"] = res["approx_steps"]
     elapsed = time.perf_counter() - t0
-    config.update({"policies": specs, "seeds": args.seeds, "arm_labels": labels, "seconds": round(elapsed, 2)})
+    config.update({"measure": args.measure, "policies": specs, "seeds": args.seeds, "arm_labels": labels, "seconds": round(elapsed, 2)})
     out = Path(args.out)
     atomic_write_json(out, {"config": config, "summary": summary})
     table = markdown_table(summary)

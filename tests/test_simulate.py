@@ -41,7 +41,7 @@ def test_stopping_times_from_cumulative_tokens():
     cum = np.array([2, 3, 7, 10])
     assert stopping_times(cum, np.array([1, 2, 3, 4, 7, 8, 10])).tolist() == [1, 1, 2, 3, 3, 4, 4]
     inst = SyntheticInstance([0.5, 0.9], [4, 4], 500, seed=2)
-    arms, cum = run_policy(Fixed(2, 4, arm=1), inst)
+    arms, cum, _ = run_policy(Fixed(2, 4, arm=1), inst)
     assert cum[-1] == 500 and set(arms.tolist()) == {1}
 
 
@@ -81,7 +81,7 @@ def test_traced_runs_match_untraced_and_replay_fixed_arms_exactly(tmp_path):
         for step in rounds[i].steps:
             assert [a.y for a in step.arms] == [a.y for a in dense.steps[step.pos].arms]
     # and a policy replayed on the dense trace reproduces its own live run
-    replayed, _ = run_policy(build_policy("ucbspec", K, eng.max_len), ReplayInstance(dense))
+    replayed, _, _ = run_policy(build_policy("ucbspec", K, eng.max_len), ReplayInstance(dense))
     assert replayed.tolist() == [r.arm for r in gen.rounds]
 
 
@@ -135,3 +135,24 @@ def test_sampled_traced_run_leaves_the_live_output_unchanged():
         g = eng.generate(PROMPT[:8], build_policy("ucbspec", 3, 4, seed=1), 16, trace=mode)
         outs.append((g.tokens, [(r.arm, r.accepted) for r in g.rounds]))
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_time_measure_counts_drafting_cost_and_throughput_reward_learns_it():
+    """--measure time: without costs a round takes 1 unit (time == rounds); with a drafting cost the
+    best γ-arm moves from the longest to a middle length, and the throughput reward finds it better
+    than tokens-per-round does (BanditSpec §6.2)."""
+    from decode.simulate import simulate
+    lengths = np.array([500, 2000])
+    Ls = [0, 1, 2, 4, 8]
+
+    def make(cost):
+        return [lambda s: SyntheticInstance([0.7] * 5, Ls, 2000, 1_000_003 * s + 17, 4.0, None, None, cost, 0.0)]
+
+    free = simulate((make(0.0), [0, 1]), ["ucbspec"], 5, 8, lengths, progress=False, measure="time")
+    rounds = simulate((make(0.0), [0, 1]), ["ucbspec"], 5, 8, lengths, progress=False, measure="rounds")
+    assert np.array_equal(free["st"]["ucbspec"], rounds["st"]["ucbspec"])
+    specs = ["ucbspec", "ucbspec:reward=throughput"]
+    res = simulate((make(0.15), list(range(6))), specs, 5, 8, lengths, progress=False, measure="time")
+    fixed = [float(np.mean(res["st"][f"fixed:arm={i}"][..., -1])) for i in range(5)]
+    assert int(np.argmin(fixed)) == 3  # L=4 beats L=8 once each drafted token costs 0.15 verifications
+    assert np.mean(res["st"]["ucbspec:reward=throughput"][..., -1]) < np.mean(res["st"]["ucbspec"][..., -1])
