@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from decode.io import atomic_write_json
 from decode.models import DEFAULT_TARGET, load_model
 from decode.sampling import SamplingConfig
 from toolkit.data.sources import GSM8KSource, iter_source
@@ -74,8 +75,7 @@ def main() -> None:
         results["runs"].append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(results, fh, indent=2)
+        atomic_write_json(args.out, results, indent=2)
 
 
 if __name__ == "__main__":
