@@ -9,10 +9,14 @@ class UserError(Exception):
 
 
 def run_user_command(fn, *args, interrupted: str = "interrupted") -> int:
-    """Run a CLI body: a UserError prints one line and exits 2, Ctrl-C prints ``interrupted`` and exits 130."""
+    """Run a CLI body: a UserError prints one line and exits 2, Ctrl-C prints ``interrupted`` and exits 130.
+
+    The body returns an exit code (int) or anything else (e.g. a summary dict), which means success.
+    """
     import sys
     try:
-        return int(fn(*args) or 0)
+        code = fn(*args)
+        return code if isinstance(code, int) and not isinstance(code, bool) else 0
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -107,3 +107,23 @@ def test_drafter_with_another_vocabulary_is_rejected(tiny_target_dir, tmp_path):
     r = run_eval("--target", tiny_target_dir, "--arms", f"drafter:path={d},L=3", "--max-new-tokens", "4",
                  "--out", str(tmp_path / "x.json"))
     assert r.returncode == 2 and "vocabulary" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_run_user_command_exit_codes(capsys):
+    """A body's int is its exit code; a summary (dict/None) is success; UserError → 2; Ctrl-C → 130."""
+    from decode.errors import UserError, run_user_command
+
+    assert run_user_command(lambda: {"train_seconds": 1.0}) == 0
+    assert run_user_command(lambda: None) == 0
+    assert run_user_command(lambda: 3) == 3
+
+    def bad():
+        raise UserError("field x: fix it")
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert run_user_command(bad) == 2
+    assert "error: field x: fix it" in capsys.readouterr().err
+    assert run_user_command(interrupted, interrupted="stopped") == 130
+    assert "stopped" in capsys.readouterr().err
