@@ -20,6 +20,7 @@ import numpy as np
 
 from .draft import Outcome
 from .errors import UserError
+from .registry import Registry
 from .specs import parse_spec
 
 
@@ -182,12 +183,13 @@ def _load_trained_predictor(folder: str) -> Predictor:
     return load_predictor(folder)
 
 
-_REGISTRY: dict[str, Callable[..., LengthController]] = {
-    "fixed": LengthController, "beta-ts": BetaTS, "cali-ts": CaliTS}
+LENGTHS = Registry("length controller")
+for _name, _cls in (("fixed", LengthController), ("beta-ts", BetaTS), ("cali-ts", CaliTS)):
+    LENGTHS.add(_name, _cls)
 
 
 def length_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return LENGTHS.names()
 
 
 def build_length(spec: str | None, seed: int = 0) -> LengthController:
@@ -195,10 +197,5 @@ def build_length(spec: str | None, seed: int = 0) -> LengthController:
     if not spec:
         return LengthController(seed)
     name, params = parse_spec(spec)
-    if name not in _REGISTRY:
-        raise UserError(f"unknown length controller '{name}' in '{spec}'; known: {', '.join(length_names())}")
     params.setdefault("seed", seed)
-    try:
-        return _REGISTRY[name](**params)
-    except TypeError as exc:
-        raise UserError(f"length controller '{spec}': bad parameters ({exc})") from exc
+    return LENGTHS.build(name, spec, **params)

@@ -12,10 +12,8 @@ run with ``tokens`` or ``throughput``.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 from .draft import RoundRecord
-from .errors import UserError
+from .registry import Registry
 
 
 class Reward:
@@ -42,26 +40,16 @@ class Reward:
         return (value - self.lo) / (self.hi - self.lo)
 
 
-_REGISTRY: dict[str, Callable[[int], Reward]] = {}
-
-
-def register(name: str):
-    def deco(cls):
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-    return deco
+REWARDS = Registry("reward", hint=" (set it with the policy parameter reward=NAME, e.g. metasd_ucb:reward=be)")
+register = REWARDS.register
 
 
 def reward_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return REWARDS.names()
 
 
 def build_reward(name: str, max_len: int) -> Reward:
-    if name not in _REGISTRY:
-        raise UserError(f"unknown reward '{name}'; known rewards: {', '.join(reward_names())} "
-                        "(set it with the policy parameter reward=NAME, e.g. metasd_ucb:reward=be)")
-    return _REGISTRY[name](max_len)
+    return REWARDS.build(name, name, max_len)
 
 
 @register("tokens")

@@ -34,13 +34,7 @@ def spec_bench_turns(category: str) -> list[str]:
     return [r["turns"][0] for r in rows if r["category"] == category]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and a busy shared CPU makes 2+ threads crawl."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

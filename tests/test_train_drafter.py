@@ -20,13 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # --------------------------------------------------------------------------- fixtures
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Width-32 models gain nothing from threads, and spinning OpenMP threads crawl on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import torch
 from ..draft import Draft
 from ..errors import UserError
 from ..sampling import SamplingConfig
+from ..registry import Registry
 from ..specs import parse_spec
 
 if TYPE_CHECKING:
@@ -57,25 +58,14 @@ class Arm:
         return f"{self.name}@{self.L}"
 
 
-_REGISTRY: dict[str, Callable[..., Arm]] = {}
-
-
-def register(name: str):
-    def deco(factory):
-        _REGISTRY[name] = factory
-        return factory
-    return deco
+ARMS = Registry("arm")
+register = ARMS.register
 
 
 def arm_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return ARMS.names()
 
 
 def build_arm(spec: str, env: ArmEnv) -> Arm:
     name, params = parse_spec(spec)
-    if name not in _REGISTRY:
-        raise UserError(f"unknown arm '{name}' in '{spec}'; known arms: {', '.join(arm_names())}")
-    try:
-        return _REGISTRY[name](env, **params)
-    except TypeError as exc:
-        raise UserError(f"arm '{spec}': bad parameters ({exc})") from exc
+    return ARMS.build(name, spec, env, **params)

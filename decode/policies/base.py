@@ -11,13 +11,12 @@ All randomness comes from ``self.rng`` seeded by ``seed``, so runs are reproduci
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
 from ..draft import RoundRecord
 from ..errors import UserError
 from ..rewards import Reward, build_reward
+from ..registry import Registry
 from ..specs import parse_spec
 
 
@@ -59,26 +58,14 @@ class Policy:
         """Learn from the raw reward value (``self.reward.unit(value)`` maps it to [0, 1])."""
 
 
-_REGISTRY: dict[str, Callable[..., Policy]] = {}
-
-
-def register(name: str):
-    def deco(cls):
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-    return deco
+POLICIES = Registry("policy", "policies")
+register = POLICIES.register
 
 
 def policy_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return POLICIES.names()
 
 
 def build_policy(spec: str, n_arms: int, max_len: int, seed: int = 0) -> Policy:
     name, params = parse_spec(spec)
-    if name not in _REGISTRY:
-        raise UserError(f"unknown policy '{name}' in '{spec}'; known policies: {', '.join(policy_names())}")
-    try:
-        return _REGISTRY[name](n_arms, max_len, seed=seed, **params)
-    except TypeError as exc:
-        raise UserError(f"policy '{spec}': bad parameters ({exc})") from exc
+    return POLICIES.build(name, spec, n_arms, max_len, seed=seed, **params)

@@ -68,6 +68,17 @@ def _merge(m_ptr, s_ptr, row, n_chunks, S_PAD: tl.constexpr):
 
 
 @triton.jit
+def _scaled_logits(row, idx, valid, thr, tie, inv_temp, HAS_THR: tl.constexpr):
+    """logits[idx] / T with process_logits' semantics: NaN, out-of-range and the top-k/top-p cut → -inf.
+    The cut is in raw-logit space: above the threshold, or tied with it up to index ``tie``."""
+    raw = tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32)
+    keep = valid & (raw == raw)
+    if HAS_THR:
+        keep = keep & ((raw > thr) | ((raw == thr) & (idx <= tie)))
+    return tl.where(keep, raw * inv_temp, float("-inf"))
+
+
+@triton.jit
 def _stats_kernel(logits_ptr, tokens_ptr, thr_ptr, tie_ptr,
                   m_ptr, s_ptr, sx_ptr, bv_ptr, bi_ptr,
                   V, L, chunk, n_chunks, inv_temp,
@@ -94,11 +105,7 @@ def _stats_kernel(logits_ptr, tokens_ptr, thr_ptr, tie_ptr,
     for off in range(start, end, BLOCK_V):
         idx = off + lanes
         valid = idx < end
-        raw = tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32)
-        keep = valid & (raw == raw)
-        if HAS_THR:  # process_logits' cut in raw-logit space: above it, or tied with it up to index `tie`
-            keep = keep & ((raw > thr) | ((raw == thr) & (idx <= tie)))
-        x = tl.where(keep, raw * inv_temp, float("-inf"))
+        x = _scaled_logits(row, idx, valid, thr, tie, inv_temp, HAS_THR)
         bmax = tl.max(x, axis=0)
         m_new = tl.maximum(m, bmax)
         m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # exp(-inf - m_ref) = 0, never NaN
@@ -148,11 +155,7 @@ def _q_pass_kernel(logits_ptr, q_ptr, thr_ptr, tie_ptr, m_ptr, s_ptr, tvp_ptr, r
     for off in range(start, end, BLOCK_V):
         idx = off + lanes
         valid = idx < end
-        raw = tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32)
-        keep = valid & (raw == raw)
-        if HAS_THR:  # process_logits' cut in raw-logit space: above it, or tied with it up to index `tie`
-            keep = keep & ((raw > thr) | ((raw == thr) & (idx <= tie)))
-        x = tl.where(keep, raw * inv_temp, float("-inf"))
+        x = _scaled_logits(row, idx, valid, thr, tie, inv_temp, HAS_THR)
         p = tl.exp(x - big_m) * inv_s
         q = tl.load(qrow + idx, mask=valid, other=0.0).to(tl.float32)
         d = p - q
@@ -256,11 +259,7 @@ def _finish_kernel(logits_ptr, tokens_ptr, q_ptr, thr_ptr, tie_ptr, u_ptr,
         for off in range(start, end, BLOCK_V):
             idx = off + lanes
             valid = idx < end
-            raw = tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32)
-            keep = valid & (raw == raw)
-            if HAS_THR:
-                keep = keep & ((raw > thr) | ((raw == thr) & (idx <= tie)))
-            x = tl.where(keep, raw * inv_temp, float("-inf"))
+            x = _scaled_logits(row, idx, valid, thr, tie, inv_temp, HAS_THR)
             p = tl.exp(x - big_m) * inv_s
             if HAS_Q:
                 q = tl.load(qrow + idx, mask=idx < tl.where(use_res, end, 0), other=0.0).to(tl.float32)
