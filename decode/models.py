@@ -12,14 +12,13 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import UserError
+from .io import atomic_path
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -72,16 +71,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     cfg_dict.pop("quantization_config", None)
     plain = AutoModelForCausalLM.from_config(type(model.config).from_dict(cfg_dict), dtype=torch.float32)
     plain.load_state_dict(model.state_dict(), strict=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with atomic_path(out, directory=True) as tmp:  # a half-written cache is never visible
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "adaspec_source.json").write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size}))
-        os.replace(tmp, out)  # atomic: a half-written cache is never visible
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def resolve_path(spec: str) -> str:

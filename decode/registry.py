@@ -34,7 +34,7 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._factories)
 
-    def build(self, name: str, spec: str, *args, **params):
+    def build(self, name: str, spec: str, /, *args, **params):
         """``factory(*args, **params)``; ``spec`` is the user's text, quoted in errors."""
         if name not in self._factories:
             where = f" in '{spec}'" if spec != name else ""

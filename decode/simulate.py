@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import math
-import os
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from tqdm.auto import tqdm
 from . import metrics
 from .draft import RoundRecord
 from .errors import UserError
-from .io import atomic_write_json, atomic_write_text
+from .io import atomic_path, atomic_write_json, atomic_write_text
 from .policies import build_policy, policy_names
 from .policies.simple import Fixed
 from .specs import split_specs
@@ -262,10 +261,9 @@ def plot(summary: dict, path: Path, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -351,7 +351,7 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, tiny, 
     with pytest.raises(UserError, match="unfinished .*2/6 shards"):
         load_distilled(r.out_dir)
     assert len(load_distilled(r.out_dir, allow_partial=True, include_filtered=True)) == 6
-    (r.out_dir / "shards" / ".shard-00002.parquet.tmp-999").write_bytes(b"half a file")  # killed mid-write
+    (r.out_dir / "shards" / ".shard-00002.parquet.k1ll3d.tmp").write_bytes(b"half a file")  # killed mid-write
     before = {p.name: p.stat().st_mtime_ns for p in shards}
     m = distill(r, model=model, tokenizer=tok, progress=False)
     assert m["status"] == "complete" and m["time"]["this_session_generated_tokens"] == 10 * 6

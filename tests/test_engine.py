@@ -116,3 +116,20 @@ def test_bad_engine_input():
         build_policy("nope", 2, 4)
     with pytest.raises(UserError, match="key=value"):
         build_arm("pld:4", env)
+
+
+def test_registry_passes_a_parameter_called_name_through():
+    """``name`` is a legitimate spec parameter (pool arms use it); it must not clash with the registry's own."""
+    from decode.registry import Registry
+
+    reg = Registry("widget")
+
+    @reg.register("w")
+    def make(x, name="?"):
+        return (x, name)
+
+    assert reg.build("w", "w:name=alpha", 1, name="alpha") == (1, "alpha")
+    with pytest.raises(UserError, match=r"unknown widget 'v' in 'v:name=a'; known widgets: w"):
+        reg.build("v", "v:name=a", 1)
+    with pytest.raises(UserError, match=r"widget 'w:y=1': bad parameters"):
+        reg.build("w", "w:y=1", 1, y=1)

@@ -32,7 +32,7 @@ from typing import Callable, Literal
 import torch
 
 from decode.errors import UserError
-from decode.io import atomic_write_json
+from decode.io import atomic_path, atomic_write_json
 from decode.models import DEFAULT_TARGET
 from decode.sampling import SamplingConfig, choose_token
 
@@ -246,11 +246,10 @@ def _write_shard(path: Path, rows: list[dict], meta: dict) -> None:
 
     table = pa.Table.from_pylist(rows, schema=_schema()).replace_schema_metadata(
         {"adaspec": json.dumps(meta)})
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
 
 
 def _schema():
@@ -344,7 +343,7 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
                 f.unlink()
             old = {}
     (out / "shards").mkdir(parents=True, exist_ok=True)
-    for stale in (out / "shards").glob(".shard-*.tmp-*"):  # a run killed while writing
+    for stale in (out / "shards").glob(".shard-*.tmp"):  # a run killed while writing
         stale.unlink()
 
     done: dict[int, dict] = {}

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from decode.errors import UserError
-from decode.io import atomic_write_json
+from decode.io import atomic_path, atomic_write_json
 from decode.models import vocab_fingerprint
 
 FORMAT = 1
@@ -57,21 +54,10 @@ def export_model(model, tokenizer, out_dir: str | Path, *, target: str, target_t
         "recipe": recipe,
         **(extra or {}),
     }
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_path(out, directory=True) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / meta_file).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -50,11 +50,9 @@ class EarlyExitArm(DrafterModelArm):
         self.draft_hidden = []
         if self.target_hidden is None and self.target is not None and self.target.prefill_hidden is not None:
             self.target_hidden = self.target.prefill_hidden[-1].float()
-        kg = None
-        if keep_going is not None:  # hand the controller the hidden state behind token i-1 (Cali-TS)
-            def kg(i, row=None):
-                return keep_going(i, row, hidden=self.draft_hidden[i - 1])
-        draft = super().propose(context, max_len, kg)
+        def with_hidden(i, row=None):  # hand the controller the hidden state behind token i-1 (Cali-TS)
+            return keep_going(i, row, hidden=self.draft_hidden[i - 1])
+        draft = super().propose(context, max_len, None if keep_going is None else with_hidden)
         if len(draft):
             draft.hidden = torch.stack(self.draft_hidden[:len(draft)])
         return draft

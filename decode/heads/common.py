@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -13,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import UserError
+from ..io import atomic_path, atomic_write_text
 
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head.json"
@@ -95,18 +94,9 @@ def save_head(head: nn.Module, out_dir, extra: dict | None = None) -> Path:
     state = {k: v.detach().contiguous().cpu() for k, v in head.trainable_state_dict().items()}
     meta = {"kind": head.kind, **head.head_config(), **(extra or {})}
     (out / HEAD_CONFIG).unlink(missing_ok=True)  # incomplete until the new one lands
-    fd, tmp = tempfile.mkstemp(prefix=".head.", suffix=".tmp", dir=out)
-    os.close(fd)
-    try:
-        save_file(state, tmp)
-        os.replace(tmp, out / HEAD_WEIGHTS)
-        fd, tmp = tempfile.mkstemp(prefix=".head.", suffix=".tmp", dir=out)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(meta, indent=2, sort_keys=True))
-        os.replace(tmp, out / HEAD_CONFIG)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(out / HEAD_WEIGHTS) as tmp:
+        save_file(state, str(tmp))
+    atomic_write_text(out / HEAD_CONFIG, json.dumps(meta, indent=2, sort_keys=True))
     return out
 
 

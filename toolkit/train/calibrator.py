@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from decode.errors import UserError
+from decode.io import atomic_path, atomic_write_text
 from decode.heads import CalibrationPredictor, load_head, save_head, read_head_config
 
 from .data import is_heldout
@@ -166,9 +167,6 @@ def collect_rows(recipe: CalibratorRecipe, target_model, tok, progress: bool = T
 
 def load_or_collect(recipe: CalibratorRecipe, out: Path, target_model, tok) -> dict[str, torch.Tensor]:
     """Collected rows are cached in ``out`` (keyed by the collect section) so a resumed run skips it."""
-    import os
-    import tempfile
-
     from safetensors.torch import load_file, save_file
 
     from toolkit.config import to_dict
@@ -180,12 +178,9 @@ def load_or_collect(recipe: CalibratorRecipe, out: Path, target_model, tok) -> d
             (out / (DATA_FILE + ".json")).read_text() == key:
         return load_file(str(path))
     rows = collect_rows(recipe, target_model, tok, recipe.progress)
-    out.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out, suffix=".tmp")
-    os.close(fd)
-    save_file({k: v.contiguous() for k, v in rows.items()}, tmp)
-    os.replace(tmp, path)
-    (out / (DATA_FILE + ".json")).write_text(key)
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in rows.items()}, str(tmp))
+    atomic_write_text(out / (DATA_FILE + ".json"), key)
     return rows
 
 
