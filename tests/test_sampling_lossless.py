@@ -69,6 +69,15 @@ def _exact_two_token_dist(model, prompt, cfg):
     return joint.flatten().numpy()
 
 
+def _assert_first_two_tokens_follow_target(eng, target, cfg, prompt=(0, 2, 4), n=2500):
+    """Chi-square of the engine's first two sampled tokens against the target's exact joint law."""
+    counts = np.zeros(V * V)
+    for _ in range(n):
+        toks = eng.generate(list(prompt), Fixed(1, 2), 2).tokens
+        counts[toks[0] * V + toks[1]] += 1
+    assert _chi2_ok(counts, _exact_two_token_dist(target, list(prompt), cfg), n) > 1e-3
+
+
 @pytest.mark.parametrize("drafter_kind", ["stochastic", "one-hot"])
 def test_engine_first_two_tokens_follow_target(drafter_kind):
     cfg = SamplingConfig(1.0)
@@ -79,13 +88,7 @@ def test_engine_first_two_tokens_follow_target(drafter_kind):
     else:
         arm = ConstantArm([1, 3])
     eng = SpecEngine(Target(target), [arm], Verifier(cfg, generator=gen))
-    prompt = [0, 2, 4]
-    n = 2500
-    counts = np.zeros(V * V)
-    for _ in range(n):
-        toks = eng.generate(prompt, Fixed(1, 2), 2).tokens
-        counts[toks[0] * V + toks[1]] += 1
-    assert _chi2_ok(counts, _exact_two_token_dist(target, prompt, cfg), n) > 1e-3
+    _assert_first_two_tokens_follow_target(eng, target, cfg)
 
 
 @pytest.mark.parametrize("head_kind", ["early_exit", "eagle"])
@@ -104,13 +107,7 @@ def test_self_drafting_heads_first_two_tokens_follow_target(head_kind):
     else:
         arm = EagleArm(EagleHead(target, init="last_layer"), target, cfg, L=2, generator=gen, target=wrapped)
     eng = SpecEngine(wrapped, [arm], Verifier(cfg, generator=gen))
-    prompt = [0, 2, 4]
-    n = 2500
-    counts = np.zeros(V * V)
-    for _ in range(n):
-        toks = eng.generate(prompt, Fixed(1, 2), 2).tokens
-        counts[toks[0] * V + toks[1]] += 1
-    assert _chi2_ok(counts, _exact_two_token_dist(target, prompt, cfg), n) > 1e-3
+    _assert_first_two_tokens_follow_target(eng, target, cfg)
 
 
 def test_chi2_detects_a_wrong_distribution():
