@@ -209,7 +209,7 @@ def run(args) -> int:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     arm_specs = _arm_specs(args)
     policy_specs = split_specs(args.policies or "")
-    build_length(args.length, args.seed)  # validate before loading anything
+    length = build_length(args.length, args.seed)  # validated (and any predictor loaded) before the models
     prompts = load_jsonl_suite(args.suite) if args.suite else list(BUILTIN)
     cats_arg = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = select(prompts, cats_arg, args.limit)
@@ -223,7 +223,6 @@ def run(args) -> int:
     verifier = Verifier(sampling, args.verifier, gen)
     eos = _eos_ids(model, tok)
     methods, labels = build_methods(target, env, arm_specs, policy_specs, verifier, eos)
-    length = build_length(args.length, args.seed)
     if any(a.uses_target_hidden for a in methods[-1].engine.arms) or length.needs_target_hidden:
         target.want_hidden = True
     encoded = [encode_prompt(tok, p.text) for p in prompts]

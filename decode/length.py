@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -133,10 +134,10 @@ class CaliTS(LengthController):
         if not 0 <= theta0 <= 1:
             raise UserError(f"cali-ts: theta0 must be in [0, 1], got {theta0}")
         self.sigma_m, self.sigma_s, self.theta0 = float(sigma_m), float(sigma_s), float(theta0)
-        self.needs_target_hidden = isinstance(predictor, str) and predictor != "top1"
         if isinstance(predictor, str):
             predictor = top1_predictor if predictor == "top1" else _load_trained_predictor(predictor)
         self.predictor = predictor or top1_predictor
+        self.needs_target_hidden = getattr(self.predictor, "needs_target_hidden", False)
         super().__init__(seed, carry)
 
     def _init_state(self):
@@ -175,7 +176,6 @@ class CaliTS(LengthController):
 
 
 def _load_trained_predictor(folder: str) -> Predictor:
-    from pathlib import Path
     if not Path(folder).is_dir():
         raise UserError(f"cali-ts: predictor '{folder}' is neither 'top1' nor a calibrator folder; train one "
                         "with `make train-calibrator TASK=...` and pass predictor=<its output folder>")

@@ -236,10 +236,6 @@ def _shard_path(out: Path, k: int) -> Path:
     return out / "shards" / f"shard-{k:05d}.parquet"
 
 
-def _write_json_atomic(path: Path, obj) -> None:
-    atomic_write_json(path, obj, indent=2)
-
-
 def _write_shard(path: Path, rows: list[dict], meta: dict) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -365,7 +361,7 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
         "started_unix": old.get("started_unix", round(t_start, 1)), "sessions": old.get("sessions", 0) + 1,
         "prompts": sel.stats, "shards": n_shards, "planned_rows": len(units), "columns": list(COLUMNS),
     }
-    _write_json_atomic(manifest_path, {**base, "status": "running", "completed_shards": len(done)})
+    atomic_write_json(manifest_path, {**base, "status": "running", "completed_shards": len(done)}, indent=2)
 
     pending = [k for k in range(n_shards) if k not in done]
     session_tokens, session_gen_s = 0, 0.0
@@ -426,7 +422,7 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
                         "generation_seconds": round(secs, 3)}
                 _write_shard(_shard_path(out, k), rows, meta)
                 done[k] = meta
-                _write_json_atomic(manifest_path, {**base, "status": "running", "completed_shards": len(done)})
+                atomic_write_json(manifest_path, {**base, "status": "running", "completed_shards": len(done)}, indent=2)
         finally:
             bar.close()
             torch.set_num_threads(threads_before)
@@ -436,7 +432,7 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
                 "time": {"finished_unix": round(time.time(), 1), "this_session_seconds": round(time.time() - t_start, 2),
                          "this_session_generation_seconds": round(session_gen_s, 2),
                          "this_session_generated_tokens": session_tokens}}
-    _write_json_atomic(manifest_path, manifest)
+    atomic_write_json(manifest_path, manifest, indent=2)
     return manifest
 
 

@@ -74,6 +74,8 @@ class TrainedThetaM:
     state at the last verified position). Returns None (→ θ̂_0) while either state is missing,
     e.g. in the first round of a query or with an arm that exposes no hidden states."""
 
+    needs_target_hidden = True  # CaliTS hands this on so the evaluator turns the target's hidden states on
+
     def __init__(self, predictor: CalibrationPredictor):
         self.predictor = predictor.eval()
 

@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from decode.errors import UserError, run_user_command
+from decode.io import atomic_write_json
 from decode.models import DEFAULT_TARGET, check_vocab_compatible, load_model
 
 from ..config import load_recipe, to_dict
 from .data import DataSection, collator, load_examples, split_heldout, tokenize_sft
 from .runtime import (LossTrainer, TrainSection, deepspeed_config, is_main_process, resume_checkpoint,
-                      trained_module, training_arguments, write_json_atomic)
+                      trained_module, training_arguments)
 
 
 @dataclass
@@ -291,7 +292,7 @@ def train_drafter(recipe: DrafterRecipe, task: str, *, recipe_file: str | None =
     fingerprint = _fingerprint(recipe, task)
     resume = resume_checkpoint(recipe.resume, out / "checkpoints", fingerprint, out / "run.json")
     if main:
-        write_json_atomic(out / "run.json", fingerprint)
+        atomic_write_json(out / "run.json", fingerprint, indent=2, sort_keys=True)
         print(f"[train-drafter] task={task} recipe={recipe.name} examples={len(train_ds)} held-out="
               f"{len(held_ds) if held_ds else 0} trainable params={trainable:,} deepspeed="
               f"{recipe.train.deepspeed or 'off'} out={out}" + (f" resuming from {resume}" if resume else ""),
@@ -317,7 +318,7 @@ def train_drafter(recipe: DrafterRecipe, task: str, *, recipe_file: str | None =
         recipe_dict = {**to_dict(recipe), "file": recipe_file}
         export_model(module, ttok, export, target=recipe.target, target_tokenizer=ttok, task=task,
                      recipe=recipe_dict, extra={"training": summary})
-        write_json_atomic(out / "train_summary.json", summary)
+        atomic_write_json(out / "train_summary.json", summary, indent=2, sort_keys=True)
         if recipe.eval.enabled and held_ds is not None and len(held_ds):
             drafter, _ = load_model(str(export))  # what the decode arm will load
             metrics = heldout_agreement(drafter, target.to("cpu").eval(), held_ds, L=recipe.eval.L)

@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 
 from decode.errors import UserError, run_user_command
+from decode.io import atomic_write_json
 from decode.models import DEFAULT_TARGET
 
 from .data import DataSection, load_examples, split_heldout, tokenize_sft
 from .runtime import (LossTrainer, TrainSection, deepspeed_config, is_main_process, resume_checkpoint,
-                      trained_module, training_arguments, write_json_atomic)
+                      trained_module, training_arguments)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES = REPO_ROOT / "recipes" / "heads"
@@ -142,7 +143,7 @@ def fit(module: torch.nn.Module, loss_fn, train_ds, collate, recipe: HeadRecipe,
     run_file = out / "run.json"
     resume = resume_checkpoint(recipe.resume, ckpt, fingerprint, run_file)
     if is_main_process():
-        write_json_atomic(run_file, fingerprint)
+        atomic_write_json(run_file, fingerprint, indent=2, sort_keys=True)
     ds_cfg = deepspeed_config(recipe.train.deepspeed)
     args = training_arguments(recipe.train, ckpt, ds_cfg)
     args.disable_tqdm = not recipe.progress
@@ -158,7 +159,7 @@ def count_trainable(module: torch.nn.Module) -> int:
 
 
 def write_eval(out: Path, report: dict) -> None:
-    write_json_atomic(out / "eval.json", report)
+    atomic_write_json(out / "eval.json", report, indent=2, sort_keys=True)
     print(json.dumps(report, indent=2))
 
 

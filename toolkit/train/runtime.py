@@ -20,7 +20,6 @@ import torch
 from transformers import Trainer
 
 from decode.errors import UserError
-from decode.io import atomic_write_json
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEEPSPEED_DIR = REPO_ROOT / "recipes" / "deepspeed"
@@ -208,10 +207,6 @@ def resume_checkpoint(resume: str, ckpt_dir: Path, fingerprint: dict, run_file: 
             raise UserError(f"{ckpt_dir} holds checkpoints of a different setup (changed: {', '.join(changed)}); "
                             f"pass resume=never to start over there, or out_dir=<new folder>")
     return last
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    atomic_write_json(path, obj, indent=2, sort_keys=True)
 
 
 # --------------------------------------------------------------------------- gathering
