@@ -30,9 +30,20 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+def scale_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """logits / T in float32, as a product with the float32 reciprocal.
+
+    Why not ``/ T``: PyTorch's CUDA kernel already turns division by a scalar into this product while
+    the CPU divides, and the two differ in the last bit for ~10% of values. A product is rounded the
+    same everywhere (CPU, CUDA, the fused kernel), so the top-k/top-p cut, which compares these
+    values, keeps the same tokens, ties included, on every backend.
+    """
+    return logits.float() * (1.0 / cfg.temperature)
+
+
 def process_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Return processed logits (masked entries = -inf) for sampling mode. Works on [..., V]."""
-    x = logits.float() / cfg.temperature
+    x = scale_logits(logits, cfg)
     if cfg.top_k and cfg.top_k < x.shape[-1]:
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -59,16 +70,18 @@ def probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 
 
 def sample_from(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw from rows of ``p`` with explicit uniforms ``u`` (same shape minus V).
+    """Inverse-CDF draw from rows of ``p`` with explicit uniforms ``u`` in [0, 1) (same shape minus V).
 
     Explicit uniforms let a fused kernel and this reference be compared draw for draw.
     """
     cdf = torch.cumsum(p, dim=-1)
     total = cdf[..., -1:]
     idx = torch.searchsorted(cdf, (u.unsqueeze(-1) * total).contiguous(), right=True).squeeze(-1)
-    # guard the u*total == total edge and zero-probability tails
-    idx = idx.clamp(max=p.shape[-1] - 1)
-    return idx
+    # u·total rounded up to the total (or u = 1): fall back to the last token with mass, never to a
+    # zero-probability tail token (V - 1 only for a row without mass)
+    V = p.shape[-1]
+    last = torch.where(p > 0, torch.arange(V, device=p.device), -1).amax(-1)
+    return torch.where(idx < V, idx, torch.where(last >= 0, last, V - 1))
 
 
 def choose_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None):

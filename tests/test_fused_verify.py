@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from decode.errors import UserError
-from decode.sampling import SamplingConfig, probs, process_logits
+from decode.sampling import SamplingConfig, probs, process_logits, scale_logits
 from decode.verify import Verifier
-from decode.verify.reference import verify_reference
+from decode.verify.reference import BAD_LOGITS, BAD_PROBS, BAD_TOKEN, verify_reference
+from test_verify_power import hand_case_failures, p_zero_accepted
 
 triton = pytest.importorskip("triton")
 
@@ -98,10 +99,11 @@ def _case(seed, B, L, V, dtype, cfg, with_q, ties=False):
     return logits, tokens, q, torch.rand(B, L + 1, generator=g)
 
 
-def _run(mod, logits, tokens, q, cfg, u, tuning):
+def _run(mod, logits, tokens, q, cfg, u, tuning, check=True):
     args = (logits.to(DEV), tokens.to(DEV), None if q is None else q.to(DEV), cfg, None if u is None else u.to(DEV))
-    res = mod.verify_fused(*args) if tuning is None else mod._verify(*args, block_v=tuning[0], chunk_blocks=tuning[1])
-    return type(res)(*(t.cpu() for t in (res.accepted, res.next_token, res.accept_prob, res.tv)))
+    res = (mod.verify_fused(*args, check=check) if tuning is None
+           else mod._verify(*args, block_v=tuning[0], chunk_blocks=tuning[1], check=check))
+    return type(res)(*(t.cpu() for t in (res.accepted, res.next_token, res.accept_prob, res.tv, res.status)))
 
 
 def _assert_same(res, ref):
@@ -183,6 +185,87 @@ def test_kernel_residual_draws_across_chunks(fused):
     assert len(set((ref.next_token // 128).tolist())) == 3
 
 
+def test_kernel_hand_cases(fused):
+    """The hand-worked L = 2 cases of test_verify_power: explicit q and uniforms, p = 0 tokens at u = 0
+    (never accepted), q = 0 with p = 0 (rejected) and with p > 0 (ratio 1)."""
+    def fn(*args):
+        return _run(fused, *args, (4, 1))
+    assert hand_case_failures(fn) == []
+    assert p_zero_accepted(fn) == []
+
+
+# consecutive float32 logits that round to one value after scaling by 1/1.3 (process_logits keeps both)
+_TIED_AFTER_SCALING = (1.7000006437301636, 1.7000007629394531)
+
+
+def test_kernel_cut_compares_scaled_logits(fused):
+    """top-k = 1, T = 1.3: two raw logits that are equal after scaling are both kept, as in process_logits."""
+    cfg = SamplingConfig(1.3, top_k=1)
+    lo, hi = _TIED_AFTER_SCALING
+    logits = torch.full((2, 2, 8), -1.0)
+    logits[0, :, 2], logits[0, :, 5] = hi, lo  # the larger raw value first, then the other way round
+    logits[1, :, 2], logits[1, :, 5] = lo, hi
+    kept = torch.isfinite(process_logits(logits, cfg))
+    assert kept[..., 2].all() and kept[..., 5].all() and kept.sum() == 8
+    tokens = torch.tensor([[5], [2]])  # the smaller raw value of the tie: p = 1/2
+    u = torch.tensor([[0.25, 0.3], [0.75, 0.6]])
+    res = _run(fused, logits, tokens, None, cfg, u, SMALL)
+    ref = verify_reference(logits, tokens, None, cfg, u)
+    _assert_same(res, ref)
+    assert ref.accept_prob[:, 0].tolist() == [0.5, 0.5] and ref.accepted.tolist() == [1, 0]
+
+
+def test_kernel_draw_fallback_is_last_token_with_mass(fused):
+    """u_L = 1 (u·total reaching the total): the last token with mass, though the last chunk has none."""
+    cfg = SamplingConfig(1.0, top_k=5)
+    g = torch.Generator().manual_seed(3)
+    V = 37  # SMALL: chunks of 16, 16, 5
+    logits = torch.randn(4, 2, V, generator=g) - 10
+    for b, top in enumerate([[1, 3, 7, 20, 30], [0, 2, 4, 6, 8], [16, 17, 18, 19, 31], [5, 9, 22, 23, 24]]):
+        logits[b, :, top] = torch.arange(5.0)  # the top-5 sits in chunks 0-1: chunk 2 has no mass
+    tokens = torch.tensor([[3], [4], [17], [22]])
+    u = torch.tensor([[0.0, 1.0], [1.0, 1.0], [0.0, 1.0], [1.0, 1.0]])  # bonus, residual, bonus, residual
+    res = _run(fused, logits, tokens, None, cfg, u, SMALL)
+    ref = verify_reference(logits, tokens, None, cfg, u)
+    _assert_same(res, ref)
+    assert ref.accepted.tolist() == [1, 0, 1, 0] and ref.next_token.tolist() == [30, 8, 31, 24]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN/inf rows
+def test_kernel_invalid_inputs_are_user_errors(fused):
+    """NaN/+inf logits, draft ids outside [0, V), NaN draft probabilities: the reference's error, and
+    the same status without check (the kernel never reads through a bad id)."""
+    V, L = 20, 2  # SMALL: two chunks
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, L + 1, V, generator=g)
+    tokens = torch.randint(0, V, (3, L), generator=g)
+    q = torch.softmax(torch.randn(3, L, V, generator=g), -1)
+    u = torch.rand(3, L + 1, generator=g)
+    cases = []
+    for pos, idx, value in [(L, 17, float("nan")), (0, 3, float("inf"))]:  # the bonus row, either chunk
+        bad = logits.clone()
+        bad[1, pos, idx] = value
+        cases.append((bad, tokens, q, [0, BAD_LOGITS, 0]))
+    for value in (V, -1):
+        bad = tokens.clone()
+        bad[2, 1] = value
+        cases.append((logits, bad, None, [0, 0, BAD_TOKEN]))
+    bad_q = q.clone()
+    bad_q[0, 1, 18] = float("nan")
+    cases.append((logits, tokens, bad_q, [BAD_PROBS, 0, 0]))
+    for cfg in (SamplingConfig(0.0), SamplingConfig(1.1, top_k=9, top_p=0.9)):
+        u_ = None if cfg.greedy else u
+        for lg, tk, dq, status in cases:
+            assert _run(fused, lg, tk, dq, cfg, u_, SMALL, check=False).status.tolist() == status
+            assert verify_reference(lg, tk, dq, cfg, u_, check=False).status.tolist() == status
+    for lg, tk, dq, status in cases[1:]:  # +inf logits, id V, id -1, NaN probs
+        with pytest.raises(UserError) as ref_err:
+            verify_reference(lg, tk, dq, cfg, u)
+        with pytest.raises(UserError) as err:
+            _run(fused, lg, tk, dq, cfg, u, SMALL)
+        assert str(err.value) == str(ref_err.value)
+
+
 @pytest.mark.skipif(not CUDA, reason="real vocabulary sizes need the compiled kernel")
 @pytest.mark.parametrize("dtype,with_q,cfg", [(BF16, False, T1), (F32, True, TOPKP), (BF16, False, SamplingConfig(0.0))])
 def test_kernel_large_vocab_default_tuning(fused, dtype, with_q, cfg):
@@ -202,7 +285,8 @@ def test_thresholds_match_process_logits(monkeypatch):
     """The per-row cut the kernel applies keeps exactly process_logits' tokens, ties included.
 
     Inside a run of equal logits top-p keeps a prefix in sort order; the kernel uses index order
-    (a stable sort), so process_logits is checked here with a stable sort too.
+    (a stable sort), so process_logits is checked here with a stable sort too. Raw logits that round
+    to one value after scaling are a tie as well.
     """
     sort = torch.sort
     monkeypatch.setattr(torch, "sort", lambda x, dim=-1, descending=False, stable=False:
@@ -215,7 +299,13 @@ def test_thresholds_match_process_logits(monkeypatch):
         tied = trial % 2 == 0
         x = (torch.randint(-3, 4, (7, V), generator=g).float() / 2) if tied else torch.randn(7, V, generator=g)
         x = x.to(BF16 if trial % 3 == 0 else F32)
-        cfg = SamplingConfig(float(torch.rand(1, generator=g)) + 0.3, top_k=int(torch.randint(0, V + 3, (1,), generator=g)),
+        temp = float(torch.rand(1, generator=g)) + 0.3
+        if trial % 5 == 1:  # a run of distinct raw logits that are equal after scaling, on top (float32)
+            x = torch.randn(7, V, generator=g) - 2
+            lo, hi = _TIED_AFTER_SCALING
+            x[:, :4] = torch.tensor([hi, lo, lo, hi])
+            temp = 1.3
+        cfg = SamplingConfig(temp, top_k=int(torch.randint(0, V + 3, (1,), generator=g)),
                              top_p=[1.0, 0.5, 0.9, 0.99][trial % 4])
         want = torch.isfinite(process_logits(x, cfg))
         cut = mod._thresholds(x, cfg)
@@ -223,9 +313,9 @@ def test_thresholds_match_process_logits(monkeypatch):
             assert want.all() and not (cfg.top_k and cfg.top_k < V) and cfg.top_p == 1.0
             continue
         thr, tie = cut
-        raw = x.float()
-        at_cut = raw == thr[:, None]
-        got = (raw > thr[:, None]) | (at_cut & (torch.arange(V)[None] <= tie[:, None].long()))
+        scaled = scale_logits(x, cfg)
+        at_cut = scaled == thr[:, None]
+        got = (scaled > thr[:, None]) | (at_cut & (torch.arange(V)[None] <= tie[:, None].long()))
         assert torch.equal(got, want), (trial, cfg)
         split_ties += int(((at_cut & want).any(-1) & (at_cut & ~want).any(-1)).sum())
     assert split_ties > 0  # some cuts fell inside a run of equal logits
@@ -311,12 +401,12 @@ def test_kernels_compile_for_hopper():
         return kernel
 
     stats = {"logits_ptr": "*bf16", "tokens_ptr": i64, "thr_ptr": fp, "tie_ptr": i32, "m_ptr": fp, "s_ptr": fp,
-             "sx_ptr": fp, "bv_ptr": fp, "bi_ptr": i32}
+             "sx_ptr": fp, "bv_ptr": fp, "bi_ptr": i32, "flag_ptr": i32}
     qpass = {"logits_ptr": "*fp16", "q_ptr": fp, "thr_ptr": fp, "tie_ptr": i32, "m_ptr": fp, "s_ptr": fp,
-             "tvp_ptr": fp, "rp_ptr": fp}
+             "tvp_ptr": fp, "rp_ptr": fp, "flag_ptr": i32}
     finish = {"logits_ptr": "*bf16", "tokens_ptr": i64, "q_ptr": fp, "thr_ptr": fp, "tie_ptr": i32, "u_ptr": fp,
               "m_ptr": fp, "s_ptr": fp, "sx_ptr": fp, "bv_ptr": fp, "bi_ptr": i32, "tvp_ptr": fp, "rp_ptr": fp,
-              "acc_ptr": i64, "next_ptr": i64, "aprob_ptr": fp, "tv_ptr": fp}
+              "flag_ptr": i32, "acc_ptr": i64, "next_ptr": i64, "aprob_ptr": fp, "tv_ptr": fp, "status_ptr": i32}
     streams = [build(mod._stats_kernel, stats, {"BLOCK_V": 1024, "GREEDY": greedy, "HAS_THR": thr, "EXCL": excl})
                for greedy, thr, excl in [(True, False, False), (False, True, True), (False, False, False)]]
     streams.append(build(mod._q_pass_kernel, qpass, {"BLOCK_V": 1024, "S_PAD": 256, "HAS_THR": True}))

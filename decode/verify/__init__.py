@@ -8,7 +8,7 @@ import torch
 from ..draft import Draft, Outcome
 from ..errors import UserError
 from ..sampling import SamplingConfig
-from .reference import VerifyResult, verify_reference
+from .reference import VerifyResult, raise_for_status, verify_reference
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -51,20 +51,31 @@ class Verifier:
             return verify_fused
         return verify_reference
 
-    def verify_batch(self, target_logits, draft_tokens, draft_probs, uniforms=None) -> VerifyResult:
+    def verify_batch(self, target_logits, draft_tokens, draft_probs, uniforms=None, check: bool = True) -> VerifyResult:
+        """check=False: invalid inputs are only reported in ``status`` (no host sync here)."""
         if uniforms is None and not self.cfg.greedy:
             B, L1 = target_logits.shape[:2]
             uniforms = torch.rand(B, L1, generator=self.generator).to(target_logits.device)
-        return self._fn(target_logits.device)(target_logits, draft_tokens, draft_probs, self.cfg, uniforms)
+        return self._fn(target_logits.device)(target_logits, draft_tokens, draft_probs, self.cfg, uniforms,
+                                              check=check)
 
     def verify(self, target_logits: torch.Tensor, draft: Draft) -> Outcome:
-        """One sequence: target_logits [L+1, V] at [last token] + draft."""
+        """One sequence: target_logits [L+1, V] at [last token] + draft.
+
+        ``tv`` and ``accept_prob`` cover all L drafted positions (the target scored them all); the
+        positions the acceptance test reached are the first min(accepted + 1, L). Input errors are
+        checked in the one host read of the result that the caller needs anyway.
+        """
         res = self.verify_batch(target_logits.unsqueeze(0), draft.tokens.unsqueeze(0).to(target_logits.device),
-                                None if draft.q is None else draft.q.unsqueeze(0))
-        a = int(res.accepted[0])
-        scored = min(a + 1, len(draft))
-        tokens = draft.tokens[:a].tolist() + [int(res.next_token[0])]
-        return Outcome(a, tokens, res.accept_prob[0, :scored].tolist(), res.tv[0, :scored].tolist())
+                                None if draft.q is None else draft.q.unsqueeze(0), check=False)
+        L = len(draft)
+        flat = torch.cat([res.accepted.to(torch.float64), res.next_token.to(torch.float64),
+                          res.status.to(torch.float64), res.accept_prob[0].to(torch.float64),
+                          res.tv[0].to(torch.float64)]).tolist()
+        if flat[2]:
+            raise_for_status(res.status, target_logits.shape[-1], draft.tokens)
+        a, nxt = int(flat[0]), int(flat[1])
+        return Outcome(a, draft.tokens[:a].tolist() + [nxt], flat[3:3 + L], flat[3 + L:])
 
 
 __all__ = ["Verifier", "VerifyResult", "verify_reference", "BACKENDS"]
