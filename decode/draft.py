@@ -37,13 +37,15 @@ class Draft:
 
 @dataclass
 class Outcome:
-    """What the verifier decided for one draft.
+    """What the verifier decided for one draft of L tokens.
 
     accepted:      number of leading draft tokens accepted (0..L)
     tokens:        accepted draft tokens followed by the bonus/correction token (len accepted+1)
-    accept_prob:   per scored position, the acceptance probability min(1, p/q) (greedy: 1{match})
-    tv:            per scored position, TV(target, draft) = ½‖p − q‖₁
-    Scored positions are the first min(accepted + 1, L) draft positions.
+    accept_prob:   per draft position, the acceptance probability min(1, p/q) (greedy: 1{match})
+    tv:            per draft position, TV(target, draft) = ½‖p − q‖₁
+    The one verification forward scores every draft position, so accept_prob and tv have L entries,
+    also past the first rejection. Consumers that want the positions up to the first rejection slice
+    ``[:min(accepted + 1, L)]``.
     """
 
     accepted: int
@@ -58,22 +60,30 @@ class Outcome:
 
 @dataclass
 class RoundRecord:
-    """One round as the engine saw it (what policies learn from and reports store)."""
+    """One round as the engine saw it (what policies learn from and reports store).
+
+    When EOS or the token budget cuts the round short, ``new_tokens`` counts the tokens kept and
+    ``accepted`` only the accepted draft tokens among them, so rates and rewards never count tokens
+    that were thrown away; the verifier's own count is in the trace/length-controller Outcome.
+    """
 
     arm: int
     drafted: int
-    accepted: int
+    accepted: int  # accepted draft tokens that were kept (≤ new_tokens)
     new_tokens: int  # tokens appended this round after EOS/budget truncation
     draft_time: float
     verify_time: float
-    tv: list[float] = field(default_factory=list)
-    accept_prob: list[float] = field(default_factory=list)
-    max_len: int = 0  # the arm's speculation length L (for rewards normalised by L)
+    tv: list[float] = field(default_factory=list)  # per drafted position (all of them, see Outcome)
+    accept_prob: list[float] = field(default_factory=list)  # per drafted position
+    max_len: int = 0  # the arm's preset speculation length γ = L (BE divides by it)
+    step_time: float = 0.0  # seconds of one autoregressive step (one-token target forward): the throughput unit
+    extra_target_forwards: int = 0  # target forwards an arm ran itself this round (beyond the verification)
 
     @property
     def y(self) -> int:
-        """Tokens the round produced before truncation: accepted + 1 (BanditSpec's Y)."""
-        return self.accepted + 1
+        """Tokens the round produced (BanditSpec's Y): accepted + 1, or fewer when EOS/the budget cut
+        the round; always equal to ``new_tokens``."""
+        return self.new_tokens
 
     @property
     def time(self) -> float:

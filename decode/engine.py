@@ -1,8 +1,11 @@
 """The BanditSpec loop: select arm → draft → verify → accept → roll back caches → update policy."""
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from .arms.base import Arm
 from .draft import RoundRecord
@@ -25,18 +28,46 @@ class Generation:
 
     @property
     def target_forwards(self) -> int:
-        return len(self.rounds)
+        """Every target forward of the decoding (MAT's denominator): one verification per round plus
+        those arms ran themselves. Not counted: the prefill, the step-time measurement and
+        counterfactual trace work (instrumentation, not decoding)."""
+        return len(self.rounds) + sum(r.extra_target_forwards for r in self.rounds)
 
 
 class SpecEngine:
-    def __init__(self, target: Target, arms: list[Arm], verifier: Verifier, eos_token_ids=()):
+    """step_time: seconds of one autoregressive step (a one-token target forward), the unit of the
+    throughput reward; None = measure it once, at the start of the first ``generate``."""
+
+    def __init__(self, target: Target, arms: list[Arm], verifier: Verifier, eos_token_ids=(),
+                 step_time: float | None = None):
         if not arms:
             raise UserError("the engine needs at least one arm")
+        if step_time is not None and not step_time > 0:
+            raise UserError(f"step_time must be > 0 seconds, got {step_time}")
         self.target = target
         self.arms = arms
         self.verifier = verifier
         self.eos = set(int(e) for e in eos_token_ids)
         self.max_len = max(a.L for a in arms)
+        self.step_time = step_time
+
+    def measure_step_time(self, prompt_ids: list[int], repeats: int = 5) -> float:
+        """Median time of ``repeats`` one-token target forwards + argmax after prefilling the prompt
+        (one warm-up forward first); the cache is rolled back after each, so nothing changes."""
+        self.target.prefill(prompt_ids)
+        keep, last = len(prompt_ids) - 1, prompt_ids[-1]
+        times = []
+        for k in range(repeats + 1):
+            t0 = time.perf_counter()
+            int(self.target.score(last, torch.empty(0, dtype=torch.long)).logits[-1].argmax())  # syncs
+            if k:
+                times.append(time.perf_counter() - t0)
+            self.target.rollback(keep)
+        return statistics.median(times)
+
+    def _arm_target_forwards(self) -> int:
+        """Target forwards the arms have run themselves (an arm counts them in its ``target_forwards``)."""
+        return sum(getattr(a, "target_forwards", 0) for a in self.arms)
 
     def generate(self, prompt_ids: list[int], policy: Policy, max_new_tokens: int,
                  length: LengthController | None = None, reset_policy: bool = True,
@@ -58,6 +89,8 @@ class SpecEngine:
         if mode is not None and mode not in MODES:
             raise UserError(f"trace must be one of {', '.join(MODES)}, got '{trace}'")
         length = length or LengthController()
+        if self.step_time is None:
+            self.step_time = self.measure_step_time(prompt_ids)
         start = time.perf_counter()
         if reset_policy:
             policy.new_query()
@@ -73,8 +106,9 @@ class SpecEngine:
             arm = self.arms[i]
             remaining = max_new_tokens - len(gen.tokens)
             cf = counterfactual_round(self, ctx, remaining, skip=i) if mode == "rounds" else None
+            f0 = self._arm_target_forwards()
             t0 = time.perf_counter()
-            draft = arm.propose(ctx, min(arm.L, remaining - 1), length.keep_going())
+            draft = arm.propose(ctx, min(arm.L, remaining - 1), length.keep_going(i))
             t1 = time.perf_counter()
             n = len(ctx)
             scored = self.target.score(ctx[-1], draft.tokens)
@@ -93,27 +127,31 @@ class SpecEngine:
                 steps.append(TraceStep(len(gen.tokens), cf, i))
             ctx.extend(new)
             gen.tokens.extend(new)
-            rec = RoundRecord(arm=i, drafted=len(draft), accepted=outcome.accepted, new_tokens=len(new),
-                              draft_time=t1 - t0, verify_time=t2 - t1, tv=outcome.tv,
-                              accept_prob=outcome.accept_prob, max_len=arm.L)
-            gen.rounds.append(rec)
-            policy.update(i, rec)
-            length.update(len(draft), outcome)
             hidden = scored.hidden[:outcome.accepted + 1] if scored.hidden is not None else None
             if hidden is not None:
                 length.observe_target(hidden[-1])
             for a in self.arms:
                 a.observe(ctx, hidden if a.uses_target_hidden else None)
+            # accepted draft tokens cut off by EOS are not counted: new = kept draft tokens (+ the bonus)
+            rec = RoundRecord(arm=i, drafted=len(draft), accepted=min(outcome.accepted, len(new)),
+                              new_tokens=len(new), draft_time=t1 - t0, verify_time=t2 - t1, tv=outcome.tv,
+                              accept_prob=outcome.accept_prob, max_len=arm.L, step_time=self.step_time,
+                              extra_target_forwards=self._arm_target_forwards() - f0)
+            gen.rounds.append(rec)
+            policy.update(i, rec)
+            length.update(len(draft), outcome, arm=i)
             if gen.stopped_by == "eos":
                 break
         if mode == "rounds":
             gen.trace = Trace("rounds", len(prompt_ids), max_new_tokens, len(gen.tokens), gen.stopped_by,
-                              [a.label for a in self.arms], [a.L for a in self.arms], steps)
+                              [a.label for a in self.arms], [a.L for a in self.arms], steps,
+                              step_time=self.step_time)
         elif mode == "dense":
             starts, pos = {}, 0
             for r in gen.rounds:
                 starts[pos] = r.arm
                 pos += r.new_tokens
             gen.trace = dense_trace(self, prompt_ids, gen.tokens, max_new_tokens, gen.stopped_by, starts)
+            gen.trace.step_time = self.step_time
         gen.wall_time = time.perf_counter() - start
         return gen

@@ -1,7 +1,10 @@
 """Draft-length controllers (within a round, ALGORITHMS.md §4). They compose with any arm and any
-arm-selection policy: the engine asks for a fresh ``keep_going`` callback before each draft, the arm
-calls it before drafting token i ≥ 1 (token 0 is always drafted, the arm's L is the hard cap), and
-the engine reports the verification outcome with ``update``.
+arm-selection policy: the engine asks for a fresh ``keep_going(arm)`` callback before each draft, the
+arm calls it before drafting token i ≥ 1 (token 0 is always drafted, the arm's L is the hard cap), and
+the engine reports the verification outcome with ``update(drafted, outcome, arm)``.
+
+Learnt state is kept PER ARM (keyed by the arm's index in the engine): EESD has one drafter, a pool
+has several whose acceptance rates differ, and one shared posterior would mix them.
 
 Callback: ``keep_going(i, dist_row, hidden=None) -> bool``; ``dist_row`` is the drafter's
 distribution that produced token i−1 (None for deterministic arms such as PLD), ``hidden`` the
@@ -32,6 +35,8 @@ class LengthController:
     needs_target_hidden = False  # True: observe_target() must receive the target's hidden states
 
     def __init__(self, seed: int = 0, carry: bool = False):
+        if seed < 0:
+            raise UserError(f"length controller {self.name}: seed must be an integer >= 0, got {seed}")
         self.seed = seed
         self.carry = bool(carry)
         self.rng = np.random.default_rng(seed)
@@ -46,12 +51,13 @@ class LengthController:
             self.rng = np.random.default_rng(self.seed)
             self._init_state()
 
-    def keep_going(self):
-        """Callback for ``Arm.propose`` (None = never stop early)."""
+    def keep_going(self, arm: int = 0):
+        """Callback for ``Arm.propose`` of arm ``arm`` (None = never stop early)."""
         return None
 
-    def update(self, drafted: int, outcome: Outcome) -> None:
-        """Learn from the round just verified."""
+    def update(self, drafted: int, outcome: Outcome, arm: int = 0) -> None:
+        """Learn from the round arm ``arm`` just had verified. ``outcome`` is the verifier's, before any
+        EOS truncation: an accepted token after an EOS is still evidence about the drafter."""
 
     def observe_target(self, hidden) -> None:
         """Target's last-layer hidden state at the last verified position (only when the target
@@ -63,8 +69,9 @@ class BetaTS(LengthController):
     when χ = 0.
 
     Update convention: |Q_d| = drafted tokens, |Q_v| = accepted + 1 (tokens the round yields,
-    bonus included). Successes r = |Q_v| − 1 = accepted; trials n = min(|Q_v|, |Q_d|) = the scored
-    positions; so α += accepted and β += n − r = 1{a draft token was rejected}.
+    bonus included). Successes r = |Q_v| − 1 = accepted; trials n = min(|Q_v|, |Q_d|) = the positions
+    up to the first rejection (Alg. 2's Bernoulli trials; the target also scores later positions, but
+    drafting stops at a failure); so α += accepted and β += n − r = 1{a draft token was rejected}.
     """
 
     name = "beta-ts"
@@ -76,19 +83,25 @@ class BetaTS(LengthController):
         super().__init__(seed, carry)
 
     def _init_state(self):
-        self.alpha, self.beta = self.alpha0, self.beta0
+        self.post: dict[int, list[float]] = {}  # arm -> [α, β]
 
-    def keep_going(self):
+    def params(self, arm: int = 0) -> tuple[float, float]:
+        """(α, β) of arm ``arm``'s posterior."""
+        a, b = self.post.get(arm, (self.alpha0, self.beta0))
+        return a, b
+
+    def keep_going(self, arm=0):
         def cb(i, row=None, hidden=None):
-            theta = self.rng.beta(self.alpha, self.beta)
+            theta = self.rng.beta(*self.params(arm))
             return bool(self.rng.random() < theta)
         return cb
 
-    def update(self, drafted, outcome):
+    def update(self, drafted, outcome, arm=0):
         if drafted <= 0:
             return
-        self.alpha += outcome.accepted
-        self.beta += 1.0 if outcome.accepted < drafted else 0.0
+        ab = self.post.setdefault(arm, [self.alpha0, self.beta0])
+        ab[0] += outcome.accepted
+        ab[1] += 1.0 if outcome.accepted < drafted else 0.0
 
 
 @dataclass
@@ -115,8 +128,8 @@ def top1_predictor(ctx: CaliContext) -> float | None:
 class CaliTS(LengthController):
     """EESD Alg. 3: Gaussian posterior mixing a predictor's θ_M with the observed acceptance rate.
 
-    n = verified rounds so far (rounds that drafted ≥ 1 token), θ̂ = accepted / scored draft
-    positions over those rounds (θ̂_0 before any):
+    Per arm: n = its verified rounds so far (rounds that drafted ≥ 1 token), θ̂ = accepted / draft
+    positions up to the first rejection over those rounds (θ̂_0 before any):
       μ = σ_S²/(nσ_M² + σ_S²)·θ_M + nσ_M²/(nσ_M² + σ_S²)·θ̂,  σ² = σ_M²σ_S²/(σ_S² + nσ_M²);
       θ ~ N(μ, σ²), χ ~ Bernoulli(clip(θ, 0, 1)); stop when χ = 0.
     ``predictor`` is any callable CaliContext → θ_M (or None = fall back to θ̂_0); from a spec
@@ -141,35 +154,39 @@ class CaliTS(LengthController):
         super().__init__(seed, carry)
 
     def _init_state(self):
-        self.n = 0
-        self.acc = 0
-        self.scored = 0
+        self.stats: dict[int, list[int]] = {}  # arm -> [n, accepted, positions up to the first rejection]
         self.target_hidden = None
 
-    @property
-    def theta_hat(self) -> float:
-        return self.acc / self.scored if self.scored else self.theta0
+    def counts(self, arm: int = 0) -> tuple[int, int, int]:
+        """(n, accepted, positions) of arm ``arm``."""
+        n, acc, scored = self.stats.get(arm, (0, 0, 0))
+        return n, acc, scored
 
-    def posterior(self, theta_m: float) -> tuple[float, float]:
-        """(μ, σ) of the Gaussian posterior given the predictor's θ_M."""
-        vm, vs, n = self.sigma_m ** 2, self.sigma_s ** 2, self.n
-        mu = vs / (n * vm + vs) * theta_m + n * vm / (n * vm + vs) * self.theta_hat
+    def theta_hat(self, arm: int = 0) -> float:
+        _, acc, scored = self.counts(arm)
+        return acc / scored if scored else self.theta0
+
+    def posterior(self, theta_m: float, arm: int = 0) -> tuple[float, float]:
+        """(μ, σ) of arm ``arm``'s Gaussian posterior given the predictor's θ_M."""
+        vm, vs, n = self.sigma_m ** 2, self.sigma_s ** 2, self.counts(arm)[0]
+        mu = vs / (n * vm + vs) * theta_m + n * vm / (n * vm + vs) * self.theta_hat(arm)
         return mu, math.sqrt(vm * vs / (vs + n * vm))
 
-    def keep_going(self):
+    def keep_going(self, arm=0):
         def cb(i, row=None, hidden=None):
             theta_m = self.predictor(CaliContext(i, row, hidden, self.target_hidden))
-            mu, sigma = self.posterior(self.theta0 if theta_m is None else float(theta_m))
+            mu, sigma = self.posterior(self.theta0 if theta_m is None else float(theta_m), arm)
             theta = min(1.0, max(0.0, self.rng.normal(mu, sigma)))
             return bool(self.rng.random() < theta)
         return cb
 
-    def update(self, drafted, outcome):
+    def update(self, drafted, outcome, arm=0):
         if drafted <= 0:
             return
-        self.n += 1
-        self.acc += outcome.accepted
-        self.scored += min(outcome.accepted + 1, drafted)
+        st = self.stats.setdefault(arm, [0, 0, 0])
+        st[0] += 1
+        st[1] += outcome.accepted
+        st[2] += min(outcome.accepted + 1, drafted)
 
     def observe_target(self, hidden):
         self.target_hidden = hidden

@@ -9,6 +9,9 @@ Rounds that drafted nothing (plain decoding, a "none" arm, PLD with no match, ``
 BE = BD = 0: no speculative gain and no alignment evidence. Y still counts the one token they made
 and throughput still measures their speed, which is why γ-arms (γ = 0 is plain decoding) should be
 run with ``tokens`` or ``throughput``.
+
+Every value depends on the round alone (no state across rounds), so a policy's means average
+numbers on one fixed scale.
 """
 from __future__ import annotations
 
@@ -68,32 +71,54 @@ class TokensPerRound(Reward):
 
 @register("be")
 class BlockEfficiency(Reward):
-    """MetaSD's BE = accepted / drafted ∈ [0, 1] (0 when nothing was drafted)."""
+    """MetaSD's BE = accepted / γ ∈ [0, 1], γ = the arm's preset speculation length (``max_len``), not
+    the tokens it happened to draft: a 1-token n-gram match must not score like a full 8-token draft.
+    0 for γ = 0 (plain decoding)."""
 
     def __call__(self, record):
-        return record.accepted / record.drafted if record.drafted else 0.0
+        return record.accepted / record.max_len if record.max_len > 0 else 0.0
+
+
+def _one_minus_mean(tv) -> float:
+    return min(1.0, max(0.0, 1.0 - sum(tv) / len(tv))) if len(tv) else 0.0
 
 
 @register("bd")
 class BlockDivergence(Reward):
-    """MetaSD's BD = 1 − mean TV(target, draft) over the scored positions (0 when none were scored).
-    Lower variance than BE and never zero for a real draft (MetaSD Thm. 1)."""
+    """MetaSD's BD = 1 − mean TV(target, draft) over the N_t positions the target scored: every
+    drafted position, also past the first rejection (0 when nothing was drafted). Lower variance
+    than BE and never zero for a real draft (MetaSD Thm. 1)."""
 
     def __call__(self, record):
-        if not record.tv:
-            return 0.0
-        return min(1.0, max(0.0, 1.0 - sum(record.tv) / len(record.tv)))
+        return _one_minus_mean(record.tv[:record.drafted])
+
+
+@register("bd_prefix")
+class BlockDivergencePrefix(Reward):
+    """BD over the positions up to and including the first rejection only, i.e. the positions whose
+    draft tokens decided the round (a variant: ignores the target's evidence past the rejection)."""
+
+    def __call__(self, record):
+        return _one_minus_mean(record.tv[:min(record.accepted + 1, record.drafted)])
 
 
 @register("throughput")
 class Throughput(Reward):
-    """Tokens per second of the round (drafting, switching catch-up and verification all count),
-    divided by the largest such rate seen so far, so it lies in [0, 1] (BanditSpec §6.2)."""
+    """Tokens per autoregressive step (BanditSpec §6.2's tokens/s on a fixed scale): tokens the
+    round kept ÷ (round time / ``step_time``), where step_time is one one-token target forward
+    (measured once by the engine before its first query, or given to it). Drafting, switching catch-up and verification all
+    count. Plain decoding scores ≈ 1; clipped to [0, L+1] (a round makes at most L+1 tokens and
+    takes at least about one step). The scale is known before the query, so UCB means stay
+    comparable — a running maximum would drift during the query."""
 
-    def reset(self):
-        self.best = 0.0
+    @property
+    def hi(self) -> float:
+        return float(self.L + 1)
 
     def __call__(self, record):
-        rate = record.new_tokens / record.time if record.time > 0 else 0.0
-        self.best = max(self.best, rate)
-        return rate / self.best if self.best > 0 else 0.0
+        if not record.step_time > 0:
+            raise ValueError("the throughput reward needs RoundRecord.step_time > 0 (seconds of one "
+                             "autoregressive step; SpecEngine measures it)")
+        if record.time <= 0:
+            return self.hi if record.new_tokens > 0 else 0.0
+        return min(self.hi, max(0.0, record.new_tokens * record.step_time / record.time))

@@ -79,10 +79,11 @@ class SyntheticInstance:
         acc_arr, alpha = self.streams[regime][arm]
         a = int(acc_arr[pull])
         Li = self.L[arm]
-        scored = min(a + 1, Li)
-        tv = (1.0 - alpha[pull, :scored]).tolist()
-        return RoundRecord(arm, Li, a, min(a + 1, remaining), self.draft_cost * Li, 1.0 + self.verify_cost * Li,
-                           tv, [], Li)
+        new = min(a + 1, remaining)
+        tv = (1.0 - alpha[pull, :Li]).tolist()  # the target scores every drafted position
+        # time unit = one verification = one autoregressive step
+        return RoundRecord(arm, Li, min(a, new), new, self.draft_cost * Li, 1.0 + self.verify_cost * Li,
+                           tv, [], Li, step_time=1.0)
 
 
 class ReplayInstance:
@@ -98,6 +99,9 @@ class ReplayInstance:
         self.L = trace.arm_L
         self.pos = [s.pos for s in trace.steps]
         self.approx = 0
+        # traces recorded before step_time existed: the fastest recorded verification approximates it
+        self.step_time = trace.step_time or min(
+            (a.verify_time for s in trace.steps for a in s.arms if a is not None and a.verify_time > 0), default=1.0)
 
     @property
     def length(self) -> int:
@@ -112,8 +116,9 @@ class ReplayInstance:
         s = self.trace.steps[k].arms[arm]
         if s is None:
             raise UserError(f"trace step at position {self.pos[k]} has no entry for arm {arm}")
-        return RoundRecord(arm, s.drafted, s.accepted, min(s.y, remaining), s.draft_time, s.verify_time,
-                           s.tv, s.accept_prob, self.L[arm])
+        new = min(s.y, remaining)
+        return RoundRecord(arm, s.drafted, min(s.accepted, new), new, s.draft_time, s.verify_time,
+                           s.tv, s.accept_prob, self.L[arm], step_time=self.step_time)
 
 
 def run_policy(policy, inst) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -296,6 +301,8 @@ def _grid(lo: int, hi: int, points: int) -> np.ndarray:
 def run(args) -> int:
     if args.seeds < 1:
         raise UserError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.points < 1:
+        raise UserError(f"--points must be >= 1, got {args.points}")
     specs = split_specs(args.policies) if args.policies else [n for n in policy_names() if n != "fixed"]
     if any(s.startswith("fixed") for s in specs):
         raise UserError("--policies: fixed arms are always simulated; list only adaptive policies")
@@ -314,22 +321,32 @@ def run(args) -> int:
         config = {"mode": "replay", "traces": args.traces, "n_traces": len(traces), "trace_mode": traces[0].mode}
     else:
         p = _floats(args.p, "--p")
-        if len(p) < 2 or not all(0 <= x < 1 for x in p):
-            raise UserError(f"--p: need at least two acceptance probabilities in [0, 1), got {args.p}")
-        Ls = [int(x) for x in _floats(args.L, "--L")]
+        if len(p) < 2 or not all(0 < x < 1 for x in p):
+            raise UserError(f"--p: need at least two acceptance probabilities, each in (0, 1), got {args.p}")
+        try:
+            Ls = [int(x) for x in args.L.replace(";", ",").split(",") if x.strip()]
+        except ValueError:
+            Ls = []
         if len(Ls) == 1:
             Ls = Ls * len(p)
-        if len(Ls) != len(p) or min(Ls) < 0:
-            raise UserError(f"--L: give one length >= 0 or one per arm ({len(p)}), got {args.L}")
+        if len(Ls) != len(p) or min(Ls) < 1:
+            raise UserError(f"--L must be one integer >= 1 or one per arm ({len(p)} arms), got '{args.L}'")
+        for flag, v in (("--concentration", args.concentration), ("--draft-cost", args.draft_cost),
+                        ("--verify-cost", args.verify_cost)):
+            if not (math.isfinite(v) and v >= 0):
+                raise UserError(f"{flag} must be a finite number >= 0, got {v}")
         p_after = None
         if args.switch_at is not None or args.p_after:
             if args.switch_at is None or not args.p_after:
                 raise UserError("--switch-at and --p-after go together (e.g. --switch-at 2000 --p-after 0.8,0.7,0.6,0.5,0.3)")
             p_after = _floats(args.p_after, "--p-after")
-            if len(p_after) != len(p) or not all(0 <= x < 1 for x in p_after):
-                raise UserError(f"--p-after: need {len(p)} probabilities in [0, 1), got {args.p_after}")
+            if len(p_after) != len(p) or not all(0 < x < 1 for x in p_after):
+                raise UserError(f"--p-after: need {len(p)} probabilities, each in (0, 1), got {args.p_after}")
         if args.length < 2:
             raise UserError(f"--length must be >= 2 tokens, got {args.length}")
+        if p_after is not None and not 1 <= args.switch_at < args.length:
+            raise UserError(f"--switch-at must be a position in [1, {args.length - 1}] (inside --length "
+                            f"{args.length}), got {args.switch_at}")
         n_arms, max_len = len(p), max(max(Ls), 1)
         labels = [f"p={pi:g},L={Li}" for pi, Li in zip(p, Ls)]
         lengths = _grid(min(100, args.length), args.length, args.points)

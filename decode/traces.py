@@ -16,7 +16,8 @@ Two modes (``SpecEngine.generate(..., trace=MODE)``):
 Random-number state (torch's global RNG, the verifier's and the arms' generators) is saved before
 and restored after the counterfactual work, so the live output is the one an untraced run makes.
 Timings of traced runs include that extra work (and an independent drafter never has to catch up
-its cache), so measure speed in untraced runs.
+its cache), so measure speed in untraced runs. The counterfactual target forwards are instrumentation:
+they are not counted in ``Generation.target_forwards``.
 
 File format (``write_traces``/``load_traces``): JSON ``{"version": 1, "traces": [Trace.to_dict()]}``.
 """
@@ -42,12 +43,12 @@ MODES = ("rounds", "dense")
 class ArmStep:
     """What one arm produced (or would have produced) from one prefix."""
 
-    y: int  # tokens the round yields: accepted + 1
+    y: int  # tokens the round yields: accepted + 1 (before any EOS/budget truncation)
     drafted: int
-    accepted: int
+    accepted: int  # the verifier's count
     draft_time: float = 0.0
     verify_time: float = 0.0
-    tv: list[float] = field(default_factory=list)
+    tv: list[float] = field(default_factory=list)  # per drafted position, as in Outcome
     accept_prob: list[float] = field(default_factory=list)
 
 
@@ -70,6 +71,7 @@ class Trace:
     steps: list[TraceStep] = field(default_factory=list)
     mismatches: int = 0  # dense greedy: positions whose verified tokens disagree with the output
     meta: dict = field(default_factory=dict)  # free-form (prompt id, category, policy, ...)
+    step_time: float = 0.0  # seconds of one autoregressive step in the recording run (0: not recorded)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,7 +80,8 @@ class Trace:
     def from_dict(d: dict) -> "Trace":
         steps = [TraceStep(s["pos"], [ArmStep(**a) for a in s["arms"]], s.get("live", -1)) for s in d["steps"]]
         return Trace(d["mode"], d["prompt_len"], d["max_new_tokens"], d["n_tokens"], d["stopped_by"],
-                     list(d["arm_labels"]), list(d["arm_L"]), steps, d.get("mismatches", 0), d.get("meta", {}))
+                     list(d["arm_labels"]), list(d["arm_L"]), steps, d.get("mismatches", 0), d.get("meta", {}),
+                     d.get("step_time", 0.0))
 
 
 class RngGuard:

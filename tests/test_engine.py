@@ -69,6 +69,52 @@ def test_eos_stops_generation():
     assert gen.tokens == ref[:first + 1] and gen.stopped_by == "eos"
 
 
+def test_eos_inside_an_accepted_draft_counts_only_the_kept_tokens():
+    """Draft tokens the verifier accepted after an EOS are discarded; RoundRecord.accepted must not
+    count them (they would inflate the acceptance rate and the rewards)."""
+    model = tiny_llama(seed=1)
+    prompt = PROMPTS[0]
+    ref = plain_greedy(model, prompt, 40)
+    # an EOS at its first occurrence that is not the round's bonus token (a perfect L=4 drafter
+    # yields 5 tokens a round: positions 5k..5k+3 are draft tokens, 5k+4 the bonus)
+    j = next(j for j in range(5, 40) if ref.index(ref[j]) == j and j % 5 != 4)
+    eng = SpecEngine(Target(model), [DrafterModelArm(model, GREEDY, 4)], Verifier(GREEDY), eos_token_ids=[ref[j]],
+                     step_time=1.0)
+    gen = eng.generate(prompt, build_policy("fixed", 1, 4), 40)
+    assert gen.tokens == ref[:j + 1] and gen.stopped_by == "eos"
+    last = gen.rounds[-1]
+    assert last.drafted == 4 and last.accepted == last.new_tokens == last.y == j % 5 + 1
+    assert all(r.accepted == r.drafted == 4 and r.y == r.new_tokens == 5 for r in gen.rounds[:-1])
+
+
+def test_step_time_is_measured_once_or_given_and_carried_by_every_round():
+    model = tiny_llama(seed=1)
+    env = ArmEnv(model, TinyTokenizer(64), GREEDY)
+    eng = SpecEngine(Target(model), [build_arm("pld:L=4", env)], Verifier(GREEDY))
+    assert eng.step_time is None
+    ref = plain_greedy(model, PROMPTS[0], 12)
+    gen = eng.generate(PROMPTS[0], build_policy("fixed", 1, 4), 12)
+    st = eng.step_time
+    assert gen.tokens == ref and st > 0 and all(r.step_time == st for r in gen.rounds)
+    gen = eng.generate(PROMPTS[1], build_policy("fixed", 1, 4), 12)
+    assert eng.step_time == st and all(r.step_time == st for r in gen.rounds)  # measured once per engine
+    given = SpecEngine(Target(model), [build_arm("pld:L=4", env)], Verifier(GREEDY), step_time=0.5)
+    assert all(r.step_time == 0.5 for r in given.generate(PROMPTS[0], build_policy("fixed", 1, 4), 12).rounds)
+    with pytest.raises(UserError, match="step_time"):
+        SpecEngine(Target(model), [build_arm("pld:L=4", env)], Verifier(GREEDY), step_time=0.0)
+
+
+def test_round_records_score_every_drafted_position():
+    """The verification forward scores all L draft positions; tv/accept_prob cover every one of them."""
+    model, drafter = tiny_llama(seed=1), tiny_llama(seed=2)
+    eng = _engine(model, drafter)
+    gen = eng.generate(PROMPTS[0], build_policy("fixed:arm=3", 5, 6), 30)
+    assert any(r.accepted < r.drafted - 1 for r in gen.rounds)  # rejections before the last position happened
+    for r in gen.rounds:
+        assert len(r.tv) == len(r.accept_prob) == r.drafted
+        assert all(p == 1.0 for p in r.accept_prob[:r.accepted])
+
+
 def test_rollback_after_partial_acceptance_matches_fresh_prefill():
     model = tiny_llama(seed=1)
     ctx = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -133,6 +133,23 @@ def test_eagle_without_engine_hidden_states_computes_prompt_features():
         arm.observe(PROMPTS[0] + [1], None)
 
 
+def test_eagle_fallback_target_forwards_count_as_target_forwards():
+    """Without the prompt's features from the engine, the EAGLE arm runs the target itself once;
+    that forward counts in Generation.target_forwards (the denominator of MAT) like every other."""
+    model = tiny_llama(layers=2, seed=4)
+    arm = EagleArm(EagleHead(model), model, GREEDY, L=3)  # not linked to the Target: no prefill features
+    eng = SpecEngine(Target(model, want_hidden=True), [arm], Verifier(GREEDY), step_time=1.0)
+    calls = []
+    hook = model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        gen = eng.generate(PROMPTS[0], build_policy("fixed", 1, 3), 20)
+    finally:
+        hook.remove()
+    assert gen.tokens == plain_greedy(model, PROMPTS[0], 20)
+    assert [r.extra_target_forwards for r in gen.rounds] == [1] + [0] * (len(gen.rounds) - 1)
+    assert gen.target_forwards == len(gen.rounds) + 1 == len(calls) - 1  # every forward but the prefill
+
+
 def test_sampled_decoding_with_heads_runs_and_reports_q():
     model = tiny_llama(layers=3, seed=1)
     cfg = SamplingConfig(temperature=0.8)

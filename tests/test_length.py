@@ -26,7 +26,7 @@ def test_registry():
     assert length_names() == ["beta-ts", "cali-ts", "fixed"]
     assert type(build_length(None)) is LengthController and build_length("fixed").keep_going() is None
     c = build_length("beta-ts:alpha=2,beta=3", seed=4)
-    assert (c.alpha, c.beta, c.seed) == (2.0, 3.0, 4)
+    assert (c.alpha0, c.beta0, c.seed) == (2.0, 3.0, 4) and c.params(0) == (2.0, 3.0)
     with pytest.raises(UserError, match="known"):
         build_length("greedy-ts")
     with pytest.raises(UserError, match="bad parameters"):
@@ -38,17 +38,31 @@ def test_registry():
 def test_beta_ts_update_convention():
     c = BetaTS(1, 1)
     c.update(4, out(2))  # 2 accepted, position 3 rejected: α += 2, β += 1
-    assert (c.alpha, c.beta) == (3.0, 2.0)
+    assert c.params() == (3.0, 2.0)
     c.update(3, out(3))  # all accepted: no failure
-    assert (c.alpha, c.beta) == (6.0, 2.0)
+    assert c.params() == (6.0, 2.0)
     c.update(0, out(0))  # nothing drafted: no evidence
-    assert (c.alpha, c.beta) == (6.0, 2.0)
+    assert c.params() == (6.0, 2.0)
     c.reset()
-    assert (c.alpha, c.beta) == (1.0, 1.0)
+    assert c.params() == (1.0, 1.0)
     k = BetaTS(1, 1, carry=True)
     k.update(2, out(0))
     k.reset()
-    assert (k.alpha, k.beta) == (1.0, 2.0)
+    assert k.params() == (1.0, 2.0)
+
+
+def test_beta_ts_keeps_one_posterior_per_arm():
+    """A pool has one drafter per arm: evidence about arm 1 must not move arm 0's posterior."""
+    c = BetaTS(1, 1, seed=3)
+    c.update(4, out(2), arm=1)
+    assert c.params(0) == (1.0, 1.0) and c.params(1) == (3.0, 2.0)
+    for _ in range(300):
+        c.update(4, out(4), arm=1)  # arm 1 always fully accepted
+        c.update(4, out(0), arm=0)  # arm 0 always rejected at once
+    go, stop = c.keep_going(1), c.keep_going(0)
+    assert sum(go(1, None) for _ in range(200)) > 190 and sum(stop(1, None) for _ in range(200)) < 10
+    c.reset()
+    assert c.params(0) == c.params(1) == (1.0, 1.0)
 
 
 def test_beta_ts_callback_samples_theta_then_bernoulli():
@@ -71,8 +85,19 @@ def test_cali_ts_posterior_by_hand():
     c.update(2, out(2))  # scored 2, 2 accepted → θ̂ = 3/4, n = 2
     vm, vs = 0.04, 0.25
     mu = vs / (2 * vm + vs) * 0.9 + 2 * vm / (2 * vm + vs) * 0.75
-    assert c.theta_hat == 0.75 and c.n == 2
+    assert c.theta_hat() == 0.75 and c.counts() == (2, 3, 4)
     assert c.posterior(0.9) == pytest.approx((mu, math.sqrt(vm * vs / (vs + 2 * vm))))
+
+
+def test_cali_ts_keeps_one_posterior_per_arm():
+    c = CaliTS(sigma_m=0.2, sigma_s=0.5, theta0=0.6)
+    c.update(4, out(1), arm=2)
+    c.update(2, out(2), arm=2)
+    assert c.counts(2) == (2, 3, 4) and c.theta_hat(2) == 0.75
+    assert c.counts(0) == (0, 0, 0) and c.theta_hat(0) == 0.6
+    assert c.posterior(0.9, arm=0) == pytest.approx((0.9, 0.2))  # arm 0 has no evidence yet
+    vm, vs = 0.04, 0.25
+    assert c.posterior(0.9, arm=2)[0] == pytest.approx(vs / (2 * vm + vs) * 0.9 + 2 * vm / (2 * vm + vs) * 0.75)
 
 
 def test_cali_ts_predictor_context_and_defaults():
@@ -115,6 +140,28 @@ def test_greedy_lossless_with_controllers():
             assert gen.tokens == ref, (spec, policy)
             short += sum(1 for r in gen.rounds[:-1] if 0 < r.drafted < r.max_len)
         assert short > 0, spec  # the controller really stopped some drafts early
+
+
+def test_engine_passes_the_arm_index_to_the_length_controller():
+    class Recorder(LengthController):
+        def _init_state(self):
+            self.calls = []
+
+        def keep_going(self, arm=None):
+            self.calls.append(("keep_going", arm))
+            return None
+
+        def update(self, drafted, outcome, arm=None):
+            self.calls.append(("update", arm))
+
+    model, drafter = tiny_llama(seed=1), tiny_llama(seed=2)
+    eng = _engine(model, drafter)
+    ctl = Recorder(carry=True)
+    gen = eng.generate([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], build_policy("random", 3, eng.max_len, seed=1), 24,
+                       length=ctl)
+    arms = [r.arm for r in gen.rounds]
+    assert len(set(arms)) > 1
+    assert ctl.calls == [(kind, a) for a in arms for kind in ("keep_going", "update")]
 
 
 def test_cali_ts_predictor_from_spec_string(tmp_path):

@@ -8,7 +8,7 @@ from decode.draft import RoundRecord
 from decode.errors import UserError
 from decode.policies import build_policy, policy_names
 from decode.policies.ucbspec import ucbspec_radius
-from decode.simulate import SyntheticInstance, simulate, summarize
+from decode.simulate import SyntheticInstance, run_policy, simulate, summarize
 
 
 def rec(arm=0, accepted=0, drafted=4, tv=None, new=None, dt=0.0, vt=1.0):
@@ -58,6 +58,24 @@ def test_exp3spec_probabilities_by_hand_and_never_zero():
         assert (pol.probabilities() > 0).all()
 
 
+def test_exp3spec_follows_the_update_rule_over_several_rounds():
+    """η_t = sqrt(ln K/(t·K)) with t the 1-based round; p ∝ exp(−η_t·cumulative Ẑ);
+    Ẑ = (L+1−Y)/(L·p_{I}) for the played arm only (ALGORITHMS.md §2)."""
+    K, L = 3, 4
+    pol = build_policy("exp3spec", K, L, seed=2)
+    cum = np.zeros(K)
+    ys = [1, 3, 5]
+    for t in range(1, 9):
+        eta = math.sqrt(math.log(K) / (t * K))
+        w = np.exp(-eta * cum)
+        p = w / w.sum()
+        np.testing.assert_allclose(pol.probabilities(), p, rtol=1e-12)
+        a = pol.select()
+        pol.update(a, rec(a, accepted=ys[a] - 1))
+        cum[a] += (L + 1 - ys[a]) / (L * p[a])
+    assert len(set(np.round(cum, 6))) > 1  # several arms were played
+
+
 def test_metasd_ucb_scores_by_hand():
     pol = build_policy("metasd_ucb", 2, 4)  # c = 0.01, reward BD
     assert pol.c == 0.01 and pol.reward.name == "bd"
@@ -78,6 +96,33 @@ def test_exp3_mixing_by_hand():
     w[a] = math.exp(0.2)
     np.testing.assert_allclose(pol.probabilities(), 0.6 * w / w.sum() + 0.2, rtol=1e-12)
     assert pol.probabilities().min() >= 0.2 - 1e-12
+
+
+def test_sequential_halving_phase_lengths_follow_karnin():
+    """t_r = floor(budget / (|S_r|·ceil(log2 K))) pulls per surviving arm, ceil(|S_r|/2) survive."""
+    pol = build_policy("sh:budget=30,reward=be", 5, 4)  # R = 3 phases
+    plays = []
+    for _ in range(31):
+        a = pol.select()
+        plays.append(a)
+        pol.update(a, rec(a, accepted=[1, 4, 2, 3, 0][a], drafted=4))  # BE 0.25, 1, 0.5, 0.75, 0
+    # 30//(5·3) = 2 each; keep 3 → 30//(3·3) = 3 each; keep 2 → 30//(2·3) = 5 each; then commit
+    assert plays == [0, 1, 2, 3, 4] * 2 + [1, 2, 3] * 3 + [1, 3] * 5 + [1, 1]
+
+
+@pytest.mark.parametrize("option,winner", [("", 3), (",rank=phase", 3), (",rank=cumulative", 1)])
+def test_sequential_halving_ranks_on_the_current_phase(option, winner):
+    """Karnin et al. rank each phase on that phase's samples only; ``rank=cumulative`` uses every pull."""
+    pol = build_policy(f"sh:budget=8,reward=be{option}", 4, 4)
+    # BE per pull (accepted/4): arm 1 starts at 1.0 then drops to 0.5; arm 3 starts at 0.25 then 0.75
+    seq = {0: [0], 1: [4, 2, 2], 2: [0], 3: [1, 3, 3]}
+    plays = []
+    for _ in range(12):
+        a = pol.select()
+        plays.append(a)
+        pol.update(a, rec(a, accepted=seq[a][min(plays.count(a) - 1, len(seq[a]) - 1)], drafted=4))
+    # phase 2 means: arm 1 0.5 vs arm 3 0.75; over all pulls: arm 1 2/3 vs arm 3 7/12
+    assert plays == [0, 1, 2, 3, 1, 3, 1, 3] + [winner] * 4
 
 
 def test_sequential_halving_explores_then_commits():
@@ -103,6 +148,40 @@ def test_discounted_ucb_by_hand():
     n = 1.75
     expected = [1 + 0.1 * math.sqrt(2 * math.log(n) / 0.25), 0.5 / 1.5 + 0.1 * math.sqrt(2 * math.log(n) / 1.5)]
     np.testing.assert_allclose(pol.scores(), expected, rtol=1e-12)
+
+
+def test_discounted_ucb_survives_20k_rounds_and_re_explores_a_forgotten_arm():
+    """0.95^t underflows after ~14k rounds: an arm whose discounted count vanished must get an
+    infinite score and be played again, never a NaN score."""
+    pol = build_policy("ducb:discount=0.95,c=0,reward=be", 2, 4)
+    plays = []
+    for _ in range(20_000):
+        a = pol.select()
+        if pol.t >= 2:  # after the round robin
+            assert not np.isnan(pol.scores()).any(), pol.t
+        plays.append(a)
+        pol.update(a, rec(a, accepted=4 if a == 0 else 2))  # BE 1.0 vs 0.5: greedy keeps arm 0
+    late = [t for t, a in enumerate(plays) if a == 1 and t > 1]
+    # forgotten once 0.95^k drops below the smallest normal double (k ≈ 13.8k)
+    assert len(late) == 1 and 13_000 < late[0] < 14_600, late
+    assert pol.N.min() > 0 and np.isfinite(pol.scores()).all()
+
+
+def test_sliding_window_ucb_scores_by_hand_with_exploration():
+    """score_i = mean_i + c·sqrt(2·ln(min(t, window))/n_i) over the last ``window`` rounds."""
+    pol = build_policy("swucb:window=3,c=0.5,reward=be", 2, 4)
+    for a, acc in [(0, 4), (1, 2), (0, 1)]:  # BE 1.0, 0.5, 0.25
+        pol.update(a, rec(a, accepted=acc))
+    b = 0.5 * math.sqrt(2 * math.log(3))
+    np.testing.assert_allclose(pol.scores(), [1.25 / 2 + b / math.sqrt(2), 0.5 + b], rtol=1e-12)
+    pol.update(1, rec(1, accepted=3))  # BE 0.75; the first round (arm 0, 1.0) leaves the window
+    np.testing.assert_allclose(pol.n, [1, 2])
+    np.testing.assert_allclose(pol.scores(), [0.25 + b, 1.25 / 2 + b / math.sqrt(2)], rtol=1e-12)
+    assert pol.select() == 1  # 0.991 vs 1.149
+    pol.update(1, rec(1, accepted=3))
+    pol.update(1, rec(1, accepted=3))  # arm 0's last round leaves the window: n_0 = 0 → played next
+    np.testing.assert_allclose(pol.n, [0, 3])
+    assert pol.scores()[0] == np.inf and pol.select() == 0
 
 
 def test_sliding_window_ucb_forgets_old_rounds():
@@ -153,6 +232,19 @@ def test_state_resets_per_query_unless_carry():
             pol.update(a, rec(a, accepted=1))
         pol.new_query()
         assert (pol.t, list(pol.pulls)) == ((3, [1, 2]) if carry else (0, [0, 0]))
+
+
+def test_ucbspec_pulls_of_a_suboptimal_arm_match_its_radius():
+    """Two truncated-geometric arms (p = 0.5, 0.8; L = 4), 150 seeded runs of 5000 tokens. Mean pulls
+    of the worse arm: 49.8 with the §2 radius. Measured mutants (same runs): L instead of L/2 → 141,
+    t instead of t² → 32, sqrt(1+n) dropped from the log → 46, sqrt(1+n)/n → 1/n → 9; other seed sets
+    put the correct radius at 49.2–49.8 and that smallest mutant at 45.6–46.1."""
+    subs = []
+    for s in range(150):
+        inst = SyntheticInstance([0.5, 0.8], [4, 4], 5000, 1000 + s, kappa=0.0)
+        arms, _, _ = run_policy(build_policy("ucbspec", 2, 4, seed=s), inst)
+        subs.append(int((arms == 0).sum()))
+    assert 47.5 <= np.mean(subs) <= 52.0, np.mean(subs)
 
 
 def _regret(policies, p, n_max, seeds, kappa=20.0):

@@ -1,4 +1,4 @@
-"""Rewards: exact values on hand-made rounds, ranges, the running-max throughput, and γ-arms."""
+"""Rewards: exact values on hand-made rounds, ranges, the fixed-scale throughput, and γ-arms."""
 import pytest
 
 from decode.arms import ArmEnv, build_arm
@@ -13,12 +13,13 @@ from decode.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 
-def rec(accepted, drafted, tv=(), new=None, dt=0.0, vt=1.0):
-    return RoundRecord(0, drafted, accepted, accepted + 1 if new is None else new, dt, vt, list(tv), [], drafted)
+def rec(accepted, drafted, tv=(), new=None, dt=0.0, vt=1.0, max_len=None, step_time=1.0):
+    return RoundRecord(0, drafted, accepted, accepted + 1 if new is None else new, dt, vt, list(tv), [],
+                       drafted if max_len is None else max_len, step_time=step_time)
 
 
 def test_names_and_unknown():
-    assert set(reward_names()) == {"tokens", "be", "bd", "throughput"}
+    assert set(reward_names()) == {"tokens", "be", "bd", "bd_prefix", "throughput"}
     with pytest.raises(UserError, match="known rewards"):
         build_reward("speed", 4)
 
@@ -38,21 +39,47 @@ def test_block_efficiency_and_empty_draft():
     assert r(rec(0, 0)) == 0.0  # nothing drafted: no speculative gain
 
 
+def test_block_efficiency_divides_by_the_preset_length():
+    """MetaSD: BE = accepted / γ with γ the arm's preset length, so a 1-token PLD match that is
+    accepted does not score like a fully accepted 8-token draft."""
+    r = build_reward("be", 8)
+    assert r(rec(1, 1, max_len=8)) == 0.125
+    assert r(rec(8, 8, max_len=8)) == 1.0
+    assert r(rec(2, 3, max_len=4)) == 0.5  # a draft cut short (length controller) still divides by γ = 4
+    assert r(rec(0, 0, max_len=0)) == 0.0  # γ = 0: plain decoding
+
+
 def test_block_divergence_is_one_minus_mean_tv():
     r = build_reward("bd", 4)
-    assert r(rec(1, 4, tv=[0.1, 0.5])) == pytest.approx(0.7)
+    assert r(rec(1, 2, tv=[0.1, 0.5])) == pytest.approx(0.7)
     assert r(rec(0, 0, tv=[])) == 0.0
     assert r(rec(0, 1, tv=[1.0])) == 0.0
 
 
-def test_throughput_normalised_by_running_max():
+def test_block_divergence_averages_every_scored_position_and_bd_prefix_stops_at_the_rejection():
+    """The target scores all drafted positions; MetaSD's BD averages TV over all of them (N_t).
+    ``bd_prefix`` keeps the up-to-the-first-rejection average."""
+    tv = [0.1, 0.5, 0.9, 0.9]  # one per drafted position; position 2 was rejected
+    assert build_reward("bd", 4)(rec(1, 4, tv=tv)) == pytest.approx(1 - 0.6)
+    assert build_reward("bd_prefix", 4)(rec(1, 4, tv=tv)) == pytest.approx(1 - 0.3)
+    assert build_reward("bd_prefix", 4)(rec(4, 4, tv=tv)) == pytest.approx(1 - 0.6)  # all accepted
+    assert build_reward("bd_prefix", 4)(rec(0, 0)) == 0.0
+
+
+def test_throughput_is_tokens_per_autoregressive_step_on_a_fixed_scale():
+    """Tokens of the round ÷ (round time / one autoregressive step): a fixed scale known before the
+    query (no running maximum), clipped to [0, L+1]."""
     r = build_reward("throughput", 4)
-    assert r(rec(1, 4, new=2, dt=0.5, vt=0.5)) == 1.0  # 2 tok/s is the max so far
-    assert r(rec(0, 0, new=1, dt=0.0, vt=1.0)) == 0.5  # 1 tok/s
-    assert r(rec(3, 4, new=4, dt=0.5, vt=0.5)) == 1.0  # new max 4 tok/s
-    assert r(rec(1, 4, new=2, dt=0.5, vt=0.5)) == 0.5
-    r.reset()
-    assert r(rec(0, 0, new=1, dt=0.0, vt=1.0)) == 1.0
+    assert (r.lo, r.hi) == (0.0, 5.0)
+    slow = rec(1, 4, new=2, dt=0.5, vt=0.5, step_time=0.25)  # 2 tokens in 4 steps' time
+    assert r(slow) == pytest.approx(0.5)
+    assert r(rec(3, 4, new=4, dt=0.1, vt=0.4, step_time=0.25)) == pytest.approx(2.0)
+    assert r(slow) == pytest.approx(0.5)  # unchanged by the faster round in between
+    assert r(rec(0, 0, new=1, dt=0.0, vt=0.25, step_time=0.25)) == pytest.approx(1.0)  # plain decoding = 1
+    assert r(rec(4, 4, new=5, dt=0.0, vt=0.1, step_time=0.25)) == 5.0  # 12.5 clipped to L+1
+    assert r.unit(r(slow)) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="step_time"):
+        r(rec(1, 4, step_time=0.0))
 
 
 def test_policies_use_the_reward_they_name():
@@ -61,7 +88,7 @@ def test_policies_use_the_reward_they_name():
     for name in ("metasd_ucb", "exp3", "sh", "ducb", "swucb", "thompson"):
         assert build_policy(name, 2, 4).reward.name == "bd", name
     pol = build_policy("metasd_ucb:reward=be", 2, 4)
-    pol.update(0, rec(2, 4, tv=[0.9, 0.9, 0.9]))
+    pol.update(0, rec(2, 4, tv=[0.9, 0.9, 0.9, 0.9]))
     assert pol.sum_r[0] == 0.5  # BE, not BD (which would be 0.1)
 
 

@@ -38,6 +38,7 @@ class Arm:
 
     name: str = "arm"
     uses_target_hidden: bool = False
+    target_forwards: int = 0  # target forwards this arm ran itself (counted in MAT by the engine)
 
     def __init__(self, L: int):
         if L < 0:

@@ -11,6 +11,8 @@ Per draft with m committed tokens: feed the missing true entries up to j = m-2 i
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 from transformers import DynamicCache
 
@@ -19,6 +21,7 @@ from ..errors import UserError
 from ..heads import EagleHead, load_head
 from ..sampling import SamplingConfig, choose_token
 from ..target import crop_cache
+from ..specs import Range
 from .base import Arm, ArmEnv, register
 
 
@@ -36,6 +39,7 @@ class EagleArm(Arm):
         self.generator = generator
         self._label = label
         self.device = next(head.parameters()).device
+        self.target_forwards = 0  # target forwards this arm ran itself (the engine counts them in MAT)
         self.reset([])
 
     @property
@@ -75,6 +79,7 @@ class EagleArm(Arm):
         if have < need:  # no hidden states from the engine's target: compute them (draft-time cost)
             x = torch.tensor([context[:need]], device=self.device)
             out = self.target_model(input_ids=x, output_hidden_states=True)
+            self.target_forwards += 1
             self.feats = out.hidden_states[-1][0].float()
 
     def observe(self, context, hidden=None):
@@ -133,7 +138,7 @@ class EagleArm(Arm):
 
 
 @register("eagle")
-def _make(env: ArmEnv, path: str, L: int = 4, name: str | None = None):
+def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None):
     head = load_head(path, env.target_model, expect="eagle")
     if env.target is not None:
         env.target.want_hidden = True

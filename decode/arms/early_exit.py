@@ -12,12 +12,15 @@ drafter never recomputes the prompt or accepted tokens.
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 
 from ..draft import Draft
 from ..errors import UserError
 from ..heads import EarlyExitDrafter, load_head
 from ..sampling import SamplingConfig
+from ..specs import Range
 from .base import ArmEnv, register
 from .model import DrafterModelArm
 
@@ -70,7 +73,7 @@ class EarlyExitArm(DrafterModelArm):
 
 
 @register("early_exit")
-def _make(env: ArmEnv, path: str, L: int = 4, name: str | None = None):
+def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None):
     head = load_head(path, env.target_model, expect="early_exit")
     if env.target is not None:
         env.target.want_hidden = True

@@ -27,6 +27,8 @@ class Policy:
     def __init__(self, n_arms: int, max_len: int, seed: int = 0, reward: str | None = None, carry: bool = False):
         if n_arms < 1:
             raise UserError("a policy needs at least one arm")
+        if seed < 0:
+            raise UserError(f"policy {self.name}: seed must be an integer >= 0, got {seed}")
         self.K = n_arms
         self.L = max(int(max_len), 1)  # BanditSpec's L (max speculation length); ≥1 keeps formulas finite
         self.seed = seed
@@ -68,4 +70,5 @@ def policy_names() -> list[str]:
 
 def build_policy(spec: str, n_arms: int, max_len: int, seed: int = 0) -> Policy:
     name, params = parse_spec(spec)
-    return POLICIES.build(name, spec, n_arms, max_len, seed=seed, **params)
+    params.setdefault("seed", seed)
+    return POLICIES.build(name, spec, n_arms, max_len, **params)

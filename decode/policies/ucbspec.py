@@ -20,8 +20,8 @@ def ucbspec_radius(L: float, n: int, t: int, K: int, delta: float) -> float:
 @register("ucbspec")
 class UCBSpec(Policy):
     def __init__(self, n_arms, max_len, seed=0, delta: float = 0.5, **kw):
-        if not delta > 0:
-            raise UserError(f"ucbspec: delta must be > 0, got {delta}")
+        if not 0 < delta <= 1:  # a confidence level; δ > 1 can make the radius' log negative
+            raise UserError(f"ucbspec: delta must be in (0, 1], got {delta}")
         self.delta = float(delta)
         super().__init__(n_arms, max_len, seed, **kw)
 
