@@ -14,10 +14,17 @@ from .errors import run_user_command
 
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, help)
-    "eval": ("decode.evaluate", "evaluate arms and policies against autoregressive decoding"),
+    "eval": ("decode.evaluate", "evaluate arms and policies against HF generate and autoregressive decoding"),
     "bench-verify": ("decode.bench_verify", "time the fused Triton verifier vs the PyTorch reference (GB/s)"),
     "simulate": ("decode.simulate", "stopping-time regret of policies on synthetic or replayed bandit instances"),
 }
+
+
+def describe(doc: str | None, fallback: str) -> str:
+    """A subcommand's --help description: the docstring's first paragraph, whole (its first line alone
+    can stop mid-sentence); ``fallback`` when there is no docstring."""
+    para = (doc or "").strip().split("\n\n")[0]
+    return " ".join(para.split()) or fallback
 
 
 def dispatch(prog: str, description: str, commands: dict[str, tuple[str, str]], argv: list[str] | None = None,
@@ -29,7 +36,7 @@ def dispatch(prog: str, description: str, commands: dict[str, tuple[str, str]], 
     modules = {}
     for name, (mod_name, help_text) in commands.items():
         mod = importlib.import_module(mod_name)
-        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().splitlines()[0])
+        p = sub.add_parser(name, help=help_text, description=describe(mod.__doc__, help_text))
         mod.add_arguments(p)
         modules[name] = mod
     args = parser.parse_args(argv)

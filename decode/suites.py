@@ -24,29 +24,56 @@ REQUIRED = ("question_id", "category", "turns")
 
 def load_jsonl_suite(path: str | Path) -> list[Prompt]:
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"--suite {path}: is a folder; pass a Spec-Bench style JSONL file")
     if not p.is_file():
         raise UserError(f"--suite {path}: file not found (expected a Spec-Bench style JSONL)")
     prompts = []
-    for lineno, row in iter_jsonl(p, "--suite"):
-        missing = [k for k in REQUIRED if k not in row]
-        if missing:
-            raise UserError(f"--suite {path}:{lineno}: missing field(s) {', '.join(missing)}; each row "
-                            f"needs question_id, category and turns (a list of user turns)")
-        turns = row["turns"]
-        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
-            raise UserError(f"--suite {path}:{lineno}: 'turns' must be a non-empty list whose first "
-                            f"element is a non-empty string")
-        prompts.append(Prompt(str(row["question_id"]), str(row["category"]), turns[0]))
+    try:
+        for lineno, row in iter_jsonl(p, "--suite"):
+            prompts.append(_prompt(row, path, lineno))
+    except UnicodeDecodeError:
+        raise UserError(f"--suite {path}:{_first_non_utf8_line(p)}: not UTF-8 text; expected a Spec-Bench "
+                        f"style JSONL file") from None
     if not prompts:
         raise UserError(f"--suite {path}: no prompts in file")
     return prompts
 
 
+def _prompt(row, path, lineno: int) -> Prompt:
+    """One JSONL row as a Prompt; a malformed row is a UserError naming the file and line."""
+    if not isinstance(row, dict):
+        raise UserError(f"--suite {path}:{lineno}: expected a JSON object with question_id, category and turns, "
+                        f"got {type(row).__name__} {str(row)[:40]}")
+    missing = [k for k in REQUIRED if k not in row]
+    if missing:
+        raise UserError(f"--suite {path}:{lineno}: missing field(s) {', '.join(missing)}; each row "
+                        f"needs question_id, category and turns (a list of user turns)")
+    turns = row["turns"]
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
+        raise UserError(f"--suite {path}:{lineno}: 'turns' must be a non-empty list whose first "
+                        f"element is a non-empty string")
+    return Prompt(str(row["question_id"]), str(row["category"]), turns[0])
+
+
+def _first_non_utf8_line(p: Path) -> int:
+    """Line number (as a text reader counts them) of the first line that is not UTF-8."""
+    for lineno, raw in enumerate(p.read_bytes().splitlines(), 1):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return lineno
+    return 1
+
+
 def select(prompts: list[Prompt], categories: list[str] | None, limit: int | None) -> list[Prompt]:
-    """Filter by category (in the given order) and keep at most ``limit`` prompts per category."""
+    """Filter by category (None = all; an empty list is an error, not "all") and keep at most ``limit``
+    prompts per category."""
     if limit is not None and limit <= 0:
-        raise UserError(f"--limit must be > 0, got {limit}")
+        raise UserError(f"--limit must be an integer >= 1, got {limit}")
     have = sorted({p.category for p in prompts})
+    if categories is not None and not categories:
+        raise UserError(f"--categories: no category names given; pass a comma-separated list of: {', '.join(have)}")
     if categories:
         unknown = [c for c in categories if c not in have]
         if unknown:

@@ -18,13 +18,21 @@ def test_eval_report_on_tiny_target(tiny_target_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "| method |" in r.stdout
     rep = json.loads(out.read_text())
-    methods = {"autoregressive", "arm:pld@3", "arm:suffix@4", "arm:none", "policy:ucbspec", "policy:exp3spec", "oracle"}
+    methods = {"hf", "autoregressive", "arm:pld@3", "arm:suffix@4", "arm:none", "policy:ucbspec", "policy:exp3spec",
+               "oracle"}
     assert set(rep["summary"]) == methods
     for m, s in rep["summary"].items():
-        assert s["lossless"] is True, m
+        assert s["lossless"] is True, m  # token for token equal to HF generate
         assert set(s["per_category"]) == {"code", "summarization"}
-        assert {"mat", "tokens_per_s", "speedup"} <= set(s)
-    assert rep["summary"]["autoregressive"]["mat"] == 1.0
+        assert {"mat", "tokens_per_s", "speedup", "speedup_vs_hf"} <= set(s)
+    assert rep["summary"]["autoregressive"]["mat"] == 1.0 and rep["summary"]["hf"]["mat"] == 1.0
+    assert rep["summary"]["hf"]["speedup_vs_hf"] == 1.0
+    assert any("tokens" in w for w in rep["warnings"])  # 2 prompts × 12 tokens is far too short to time
+    assert "× vs hf" in r.stdout and "× vs autoregressive" in r.stdout and "meaningless" in r.stdout
+    timed = [rec for rec in rep["records"] if rec["method"] != "oracle"]
+    first = [rec["method"] for rec in timed if rec["prompt_id"] == timed[0]["prompt_id"]]
+    second = [rec["method"] for rec in timed if rec["prompt_id"] != timed[0]["prompt_id"]]
+    assert first[0] == "hf" and second[-1] == "hf"  # hf takes its turn in the rotated order
     assert "fraction_of_oracle" in rep["summary"]["policy:ucbspec"]
     rec = next(r for r in rep["records"] if r["method"] == "policy:ucbspec")
     assert {"rounds", "accept_lengths", "arms", "new_tokens", "token_ids", "text", "wall_time"} <= set(rec)
@@ -39,6 +47,7 @@ def test_eval_sampling_mode_runs(tiny_target_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads((tmp_path / "s.json").read_text())
     assert rep["summary"]["arm:pld@3"]["lossless"] is None  # only defined for greedy
+    assert rep["summary"]["hf"]["lossless"] is None and rep["summary"]["hf"]["tokens_per_s"] > 0  # timed all the same
 
 
 def test_eval_length_controller_and_recorded_traces_replay(tiny_target_dir, tmp_path):
@@ -68,8 +77,8 @@ def test_eval_length_controller_and_recorded_traces_replay(tiny_target_dir, tmp_
 @pytest.mark.parametrize("args,needle", [
     (["--arms", "bogus:L=2"], "unknown arm 'bogus'"),
     (["--policies", "bogus"], "unknown policy 'bogus'"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
-    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--length", "warp"], "unknown length controller 'warp'"),
     (["--length", "cali-ts:predictor=/no/such/dir"], "make train-calibrator"),
     (["--categories", "nope"], "not in the suite"),
@@ -127,3 +136,94 @@ def test_run_user_command_exit_codes(capsys):
     assert "error: field x: fix it" in capsys.readouterr().err
     assert run_user_command(interrupted, interrupted="stopped") == 130
     assert "stopped" in capsys.readouterr().err
+
+
+# ---- bad input caught before any work (in-process: no model may be loaded) --------------------------------
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail loudly if a check that should come first only comes after loading the model."""
+    import decode.evaluate
+
+    def refuse(*a, **k):
+        raise AssertionError("model loaded before the input was validated")
+    monkeypatch.setattr(decode.evaluate, "load_model", refuse)
+
+
+def eval_error(capsys, *args) -> str:
+    from decode.cli import main
+    assert main(["eval", "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err  # one line
+    return err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--limit", "0"], "--limit must be an integer >= 1, got 0"),
+    (["--limit", "-2"], "--limit must be an integer >= 1, got -2"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens must be an integer >= 1, got -3"),
+    (["--top-k", "-1"], "--top-k must be an integer >= 0, got -1"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0 (0 = greedy), got inf"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 4294967295], got -1"),
+    (["--categories", ","], "--categories: no category names given; pass a comma-separated list of: chat, code"),
+    (["--categories", "code,nope"], "nope not in the suite; available: chat, code, extraction"),
+    (["--policies", "ucbspec,ucbspec"], "--policies: 'ucbspec' duplicates 'ucbspec'"),
+])
+def test_out_of_range_values_are_one_line_errors(no_model, capsys, tmp_path, args, needle):
+    assert needle in eval_error(capsys, "--out", str(tmp_path / "r.json"), *args)
+
+
+def test_output_paths_are_checked_before_any_work(no_model, capsys, tmp_path):
+    """An unwritable --out used to surface as IsADirectoryError after every prompt had been decoded."""
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    ok = str(tmp_path / "r.json")
+    cases = [
+        (["--out", str(folder)], "is a folder; pass a file path"),
+        (["--out", str(tmp_path / "r.md")], "the markdown table is written beside the report as .md"),
+        (["--out", str(a_file / "r.json")], f"{a_file} is a file, not a folder"),
+        (["--out", ok, "--record-traces", str(folder)], "--record-traces"),
+        (["--out", ok, "--record-traces", ok], "--record-traces"),
+        (["--out", ok, "--record-traces", str(tmp_path / "r.md")], "the same file as --out (table)"),
+    ]
+    for args, needle in cases:
+        err = eval_error(capsys, *args)
+        assert needle in err, (args, err)
+    (folder / "r.md").mkdir()  # the table's path is a folder
+    assert "--out (table)" in eval_error(capsys, "--out", str(folder / "r.json"))
+
+
+def test_bad_suite_bytes_and_rows_name_the_file_and_line(no_model, capsys, tmp_path):
+    good = json.dumps({"question_id": 1, "category": "x", "turns": ["hi"]})
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(good.encode() + b"\n" + bytes(range(128, 256)) + b"\n")
+    number = tmp_path / "number.jsonl"
+    number.write_text(good + "\n5\n")
+    listing = tmp_path / "list.jsonl"
+    listing.write_text("[1, 2]\n")
+    out = ["--out", str(tmp_path / "r.json")]
+    assert f"--suite {binary}:2: not UTF-8 text" in eval_error(capsys, "--suite", str(binary), *out)
+    assert f"--suite {number}:2: expected a JSON object" in eval_error(capsys, "--suite", str(number), *out)
+    assert f"--suite {listing}:1: expected a JSON object" in eval_error(capsys, "--suite", str(listing), *out)
+    assert "is a folder" in eval_error(capsys, "--suite", str(tmp_path), *out)
+
+
+def test_every_subcommand_help_has_a_complete_description(capsys):
+    """The description was the docstring's first line, which for eval stopped mid-sentence."""
+    import importlib
+    import decode.cli
+    import toolkit.cli
+    from decode.cli import describe
+    for cli in (decode.cli, toolkit.cli):
+        for name, (module, help_text) in cli.COMMANDS.items():
+            desc = describe(importlib.import_module(module).__doc__, help_text)
+            assert desc.endswith("."), (name, desc)
+            with pytest.raises(SystemExit):
+                cli.main([name, "--help"])
+            assert desc in " ".join(capsys.readouterr().out.split()), name
+    assert describe(None, "fallback") == "fallback"

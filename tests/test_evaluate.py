@@ -1,0 +1,152 @@
+"""decode/evaluate.py: the hf reference, summaries on hand-made records, policy-spec parsing, and per-method
+state (length controllers) in a real run on the tiny target."""
+import copy
+import json
+
+import pytest
+import torch
+
+from decode import evaluate as ev
+from decode.errors import UserError
+
+
+def rec(method, pid, toks, fwd, wall, ids, cat="code", **kw):
+    return {"method": method, "prompt_id": pid, "category": cat, "new_tokens": toks, "rounds": fwd,
+            "accept_lengths": kw.get("acc", [0] * fwd), "drafted": kw.get("drafted", [0] * fwd),
+            "arms": kw.get("arms", []), "wall_time": wall, "token_ids": ids}
+
+
+def hand_made():
+    """Two prompts; hf and the arm emit the same ids, our autoregressive loop (say, a bug) does not."""
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    return [
+        rec(ev.HF, "p1", 4, 4, 1.0, a), rec(ev.HF, "p2", 4, 4, 1.0, b, cat="chat"),
+        rec(ev.AR, "p1", 4, 4, 0.5, a), rec(ev.AR, "p2", 4, 4, 0.5, [5, 6, 7, 9], cat="chat"),
+        rec("arm:x", "p1", 4, 2, 0.25, a, acc=[1, 1], drafted=[2, 2], arms=["x", "x"]),
+        rec("arm:x", "p2", 4, 2, 0.5, b, cat="chat", acc=[1, 1], drafted=[2, 2], arms=["x", "x"]),
+    ]
+
+
+def test_summary_reports_speedup_vs_hf_and_vs_autoregressive_and_lossless_vs_hf():
+    s = ev.summarize(hand_made(), [ev.HF, ev.AR, "arm:x"], ["x"], greedy=True)
+    assert s[ev.HF]["mat"] == 1.0 and s[ev.HF]["speedup_vs_hf"] == 1.0
+    assert s[ev.HF]["speedup"] == pytest.approx(0.5)  # hf 4 tok/s, our loop 8 tok/s
+    assert s[ev.AR]["speedup_vs_hf"] == pytest.approx(2.0)
+    x = s["arm:x"]
+    assert x["mat"] == 2.0 and x["tokens_per_s"] == pytest.approx(8 / 0.75)
+    assert x["speedup_vs_hf"] == pytest.approx((8 / 0.75) / 4) and x["speedup"] == pytest.approx((8 / 0.75) / 8)
+    assert x["per_category"]["code"]["speedup_vs_hf"] == pytest.approx(4.0)
+    assert x["per_category"]["chat"]["speedup"] == pytest.approx(1.0)
+    assert x["acceptance_rate"] == 0.5
+    # losslessness is judged against hf, not against our own loop
+    assert x["lossless"] is True and s[ev.AR]["lossless"] is False and s[ev.HF]["lossless"] is True
+    sampled = ev.summarize(hand_made(), [ev.HF, ev.AR, "arm:x"], ["x"], greedy=False)
+    assert all(v["lossless"] is None for v in sampled.values())
+
+
+def test_markdown_table_shows_both_speedups_and_the_warnings():
+    recs = hand_made()
+    s = ev.summarize(recs, [ev.HF, ev.AR, "arm:x"], ["x"], greedy=True)
+    warnings = ev.timing_warnings(recs, s)
+    assert any("only 8 tokens" in w for w in warnings)  # 2 prompts × 4 tokens: far too short
+    table = ev.markdown_table(s, ["chat", "code"], warnings)
+    head = table.splitlines()[0]
+    assert "× vs hf" in head and "× vs autoregressive" in head and "code MAT / ×hf" in head
+    row = next(line for line in table.splitlines() if line.startswith("| arm:x |"))
+    assert "| 2.00 | 2.67 | 1.33 | yes |" in row
+    assert "meaningless" in table and "- the reference decoded only 8 tokens" in table
+    assert "Warning" not in ev.markdown_table(s, ["chat", "code"], [])
+
+
+def test_timing_warnings_flag_a_speedup_beyond_mat():
+    """17× at MAT 2 is timer noise: flagged per method and per category cell."""
+    recs = [rec(ev.HF, f"p{i}", 200, 200, 10.0, [1]) for i in range(3)]
+    recs += [rec(ev.AR, f"p{i}", 200, 200, 10.0, [1]) for i in range(3)]
+    recs += [rec("arm:x", f"p{i}", 200, 100, 10.0 / 17, [1]) for i in range(3)]
+    s = ev.summarize(recs, [ev.HF, ev.AR, "arm:x"], ["x"], greedy=True)
+    w = ev.timing_warnings(recs, s)
+    assert len(w) == 1 and w[0].startswith("arm:x: speed-up 17.00×")
+
+
+def test_policies_split_on_semicolons_and_keep_parameters_together():
+    from decode.policies import build_policy
+    for text in ("ducb:discount=0.9,c=0.1,ucbspec", "ducb:discount=0.9,c=0.1;ucbspec", "ducb:discount=0.9, c=0.1; ucbspec"):
+        assert ev.parse_policy_specs(text) == ["ducb:discount=0.9,c=0.1", "ucbspec"], text
+    p = build_policy("ducb:discount=0.9,c=0.1", 2, 4)
+    assert (p.discount, p.c) == (0.9, 0.1)
+
+
+@pytest.mark.parametrize("text", ["ucbspec,ucbspec", "ducb:discount=0.9,c=0.1;ducb:c=0.1,discount=0.9"])
+def test_duplicate_policies_are_refused(text):
+    """Two identical policies would merge their records under one method name."""
+    with pytest.raises(UserError, match="duplicates"):
+        ev.parse_policy_specs(text)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_target_dir):
+    from decode.models import load_model
+    return load_model(tiny_target_dir)
+
+
+def _engine_greedy(model, tok, ids, n, eos):
+    from decode.arms.none import NoSpecArm
+    from decode.engine import SpecEngine
+    from decode.policies.simple import Fixed
+    from decode.sampling import SamplingConfig
+    from decode.target import Target
+    from decode.verify import Verifier
+    engine = SpecEngine(Target(model, tok), [NoSpecArm()], Verifier(SamplingConfig(), "torch", None), eos)
+    return engine.generate(ids, Fixed(1, 0), n)
+
+
+def test_hf_reference_equals_the_engine_and_stops_at_eos_like_it(tiny_model, one_thread):
+    """Same ids as our autoregressive loop, including where EOS stops it (the EOS token is kept, nothing
+    after it), even when the checkpoint's generation_config asks for penalties."""
+    from decode.sampling import SamplingConfig
+    from decode.suites import BUILTIN, encode_prompt
+    model, tok = tiny_model
+    ids = encode_prompt(tok, BUILTIN[0].text)
+    free = _engine_greedy(model, tok, ids, 16, [])
+    eos = [free.tokens[5]]
+    stop = free.tokens.index(eos[0])
+    g = _engine_greedy(model, tok, ids, 16, eos)
+    assert g.stopped_by == "eos" and g.tokens == free.tokens[:stop + 1]
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    model.generation_config.repetition_penalty = 5.0
+    model.generation_config.suppress_tokens = [free.tokens[0]]  # plain generate would never emit it
+    try:
+        tokens, seconds, stopped_by = ev.hf_generate(model, ids, 16, SamplingConfig(), eos, 0)
+        assert model.generation_config.suppress_tokens == [free.tokens[0]]  # restored after the call
+    finally:
+        model.generation_config = saved
+    assert tokens == g.tokens and stopped_by == "eos" and seconds > 0
+    tokens, _, stopped_by = ev.hf_generate(model, ids, 16, SamplingConfig(), [], 0)
+    assert tokens == free.tokens and stopped_by == "length"
+    torch.manual_seed(0)
+    sampled, _, _ = ev.hf_generate(model, ids, 6, SamplingConfig(0.8, 20, 0.9), [], 0)
+    assert len(sampled) == 6
+
+
+def test_truncate_at_eos():
+    assert ev.truncate_at_eos([4, 2, 9, 2], {2}) == ([4, 2], "eos")
+    assert ev.truncate_at_eos([4, 5], {2}) == ([4, 5], "length")
+
+
+def test_each_method_learns_its_own_length_controller(tiny_target_dir, tmp_path, one_thread):
+    """A carried Beta-TS posterior must not leak from one method into the next: the fixed arm and the
+    `fixed` policy playing the same arm draft exactly alike on every prompt."""
+    from decode.cli import main
+    out = tmp_path / "r.json"
+    code = main(["eval", "--no-progress", "--target", tiny_target_dir, "--arms", "pld:L=3",
+                 "--policies", "fixed:arm=0", "--length", "beta-ts:carry=true", "--max-new-tokens", "16",
+                 "--categories", "code,summarization,rewriting", "--out", str(out)])
+    assert code == 0
+    rep = json.loads(out.read_text())
+    by = {(r["method"], r["prompt_id"]): r for r in rep["records"]}
+    pids = [r["prompt_id"] for r in rep["records"] if r["method"] == "arm:pld@3"]
+    assert len(pids) == 3
+    for pid in pids:
+        assert by[("arm:pld@3", pid)]["drafted"] == by[("policy:fixed:arm=0", pid)]["drafted"], pid
+    assert rep["summary"]["hf"]["mat"] == 1.0 and all(s["lossless"] for s in rep["summary"].values())
