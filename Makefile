@@ -51,6 +51,7 @@ DEEPSPEED ?= .venv/bin/deepspeed
 .PHONY: train-drafter
 
 train-drafter: $(STAMP)
+	@$(PY) scripts/train_drafter.py --check --recipe $(DRAFTER_RECIPE) --task $(TASK) $(ARGS)
 	$(DEEPSPEED) scripts/train_drafter.py --recipe $(DRAFTER_RECIPE) --task $(TASK) \
 		$(if $(MAX_STEPS),train.max_steps=$(MAX_STEPS)) $(ARGS)
 

@@ -35,9 +35,26 @@ def _resolve(path: str) -> Path | None:
 
 
 def _int_L(value, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UserError(f"{where}: L must be an integer >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{where}: L must be an integer >= 1 (a drafter arm's draft length), got {value!r}")
     return value
+
+
+def _train_command(path: str) -> str:
+    """How to create a missing export, read off the layout `make train-drafter` writes:
+    ``<out_root>/<recipe name>/<task>/export`` (the pool's ``name`` is only a label)."""
+    p = Path(path)
+    if p.name != "export" or len(p.parts) < 3:
+        return ("point path at the export/ folder that `make train-drafter TASK=<task>` writes "
+                "(runs/drafters/<recipe>/<task>/export)")
+    task, recipe = p.parent.name, p.parent.parent.name
+    cmd = f"make train-drafter TASK={task}"
+    if recipe != "cpu-small":  # the Makefile's default DRAFTER_RECIPE
+        file = f"recipes/drafters/{recipe}.yaml"
+        cmd += f" DRAFTER_RECIPE={file}" if (REPO_ROOT / file).is_file() else f" with the drafter recipe '{recipe}'"
+    data = ("`make distill TASK=<task> N=64` for each task it should cover" if task == "all"
+            else f"`make distill TASK={task} N=64`")
+    return f"`{cmd}` (after {data})"
 
 
 def load_pool(path: str | Path) -> list[str]:
@@ -64,6 +81,7 @@ def load_pool(path: str | Path) -> list[str]:
     if not isinstance(drafters, list) or not isinstance(arms, list):
         raise UserError(f"pool {p}: 'drafters' and 'arms' must be lists")
     specs: list[str] = []
+    untrained: list[str] = []
     for i, d in enumerate(drafters):
         where = f"pool {p}: drafters[{i}]"
         if not isinstance(d, dict) or "path" not in d:
@@ -74,8 +92,8 @@ def load_pool(path: str | Path) -> list[str]:
         name = str(d.get("name") or Path(str(d["path"])).parent.name)
         folder = _resolve(str(d["path"]))
         if folder is None or not (folder / "config.json").is_file():
-            raise UserError(f"{where} ('{name}'): no exported model at {d['path']}; train it with "
-                            f"`make train-drafter TASK={name}` or fix the path")
+            untrained.append(f"drafters[{i}] '{name}' (no exported model at {d['path']}): {_train_command(str(d['path']))}")
+            continue
         meta_file = folder / "drafter.json"
         if target and meta_file.is_file():
             trained_for = json.loads(meta_file.read_text()).get("target")
@@ -88,6 +106,9 @@ def load_pool(path: str | Path) -> list[str]:
                             f"rename '{text}' / '{name}'")
         L = _int_L(d.get("L", default_L), where)
         specs.append(f"drafter:path={text},L={L},name={name}")
+    if untrained:
+        raise UserError(f"pool {p}: {len(untrained)} drafter(s) not trained yet — {'; '.join(untrained)}. "
+                        "cpu-small trains in ~4–12 min per drafter on 2 CPU cores; or fix the paths")
     known = set(arm_names())
     for i, spec in enumerate(arms):
         if not isinstance(spec, str):

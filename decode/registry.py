@@ -1,13 +1,15 @@
 """Name → factory tables for the pluggable units (arms, policies, rewards, length controllers).
 
 One place for registration and for the two user errors every table raises: an unknown name (listing
-the known ones) and bad parameters in a ``name:key=value`` spec.
+the known ones) and bad parameters in a ``name:key=value`` spec (typed and range-checked against the
+factory's signature by :func:`decode.specs.bind_params` before anything is built).
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from .errors import UserError
+from .specs import bind_params
 
 
 class Registry:
@@ -39,7 +41,9 @@ class Registry:
         if name not in self._factories:
             where = f" in '{spec}'" if spec != name else ""
             raise UserError(f"unknown {self.kind} '{name}'{where}; known {self.plural}: {', '.join(self.names())}{self.hint}")
+        factory = self._factories[name]
+        params = bind_params(f"{self.kind} '{spec}'", name, factory, len(args), params)
         try:
-            return self._factories[name](*args, **params)
+            return factory(*args, **params)
         except TypeError as exc:
             raise UserError(f"{self.kind} '{spec}': bad parameters ({exc})") from exc

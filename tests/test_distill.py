@@ -83,7 +83,7 @@ def test_recipe_validation_errors(tmp_path):
         load_distill_recipe(task="nope")
     with pytest.raises(UserError, match="'generation.max_new_token'; did you mean 'max_new_tokens'"):
         load_distill_recipe(task="math", overrides=["generation.max_new_token=5"])
-    with pytest.raises(UserError, match="temperatures must be distinct and >= 0"):
+    with pytest.raises(UserError, match="temperatures must be distinct, finite and >= 0"):
         load_distill_recipe(task="math", overrides=["generation.temperatures=[0.0, -1]"])
     with pytest.raises(UserError, match=r"template.user must contain \{prompt\}"):
         load_distill_recipe(task="math", overrides=["template.user=Solve it"])

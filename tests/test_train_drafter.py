@@ -304,7 +304,7 @@ def test_pool_file_to_arm_specs(tmp_path, tiny_target_dir):
                                     "arms": ["pld:L=4", "suffix:L=6"]}))
     assert load_pool(pool) == [f"drafter:path={exp},L=3,name=math", f"drafter:path={exp},L=5,name=math",
                                "pld:L=4", "suffix:L=6"]
-    bad = [({"drafters": [{"name": "x", "path": str(tmp_path / "none")}]}, "make train-drafter TASK=x"),
+    bad = [({"drafters": [{"name": "x", "path": str(tmp_path / "none")}]}, "'x'.*point path at the export/ folder"),
            ({"target": "t2", "drafters": [{"path": str(exp)}]}, "trained for target 't1'"),
            ({"arms": ["warp:L=2"]}, "unknown arm 'warp'"),
            ({"arms": ["pld"], "size": 3}, "unknown field"),

@@ -28,6 +28,7 @@ import yaml
 from decode.errors import UserError
 
 T = TypeVar("T")
+TASK_RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "tasks"
 _SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 DISCRIMINATOR = "type"
 
@@ -334,3 +335,15 @@ def load_recipe(schema: type[T], path: str | Path | None = None, overrides: Sequ
 
 def dump_yaml(obj) -> str:
     return yaml.safe_dump(to_dict(obj), sort_keys=False, allow_unicode=True)
+
+
+def task_names() -> list[str]:
+    """The tasks ``make distill TASK=...`` knows: one recipe each in ``recipes/tasks/``."""
+    return sorted(p.stem for p in TASK_RECIPES.glob("*.yaml"))
+
+
+def task_recipe(task: str) -> Path:
+    p = TASK_RECIPES / f"{task}.yaml"
+    if not p.is_file():
+        raise UserError(f"--task {task}: no recipe {p}; available tasks: {', '.join(task_names()) or 'none'}")
+    return p

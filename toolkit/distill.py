@@ -36,11 +36,11 @@ from decode.io import atomic_path, atomic_write_json
 from decode.models import DEFAULT_TARGET
 from decode.sampling import SamplingConfig, choose_token
 
-from .config import dump_yaml, load_recipe, to_dict
+from .config import dump_yaml, load_recipe, task_recipe, to_dict
 from .data.filters import FilterConfig, first_match
 from .data.leakage import DEFAULT_EVAL_FILES, EvalIndex
 from .data.prompts import select_prompts
-from .data.sources import REPO_ROOT, GSM8KSource, Source
+from .data.sources import GSM8KSource, Source
 from .data.templates import Template
 
 COLUMNS = ("id", "task", "source", "prompt", "prompt_text", "prompt_ids", "response", "response_ids",
@@ -65,14 +65,18 @@ class GenerationConfig:
     def __post_init__(self):
         if not self.temperatures:
             raise UserError("generation.temperatures is empty; give at least one, e.g. [0.0]")
-        if any(t < 0 for t in self.temperatures) or len(set(self.temperatures)) != len(self.temperatures):
-            raise UserError(f"generation.temperatures must be distinct and >= 0, got {self.temperatures}")
+        if (not all(0 <= t < float("inf") for t in self.temperatures)
+                or len(set(self.temperatures)) != len(self.temperatures)):
+            raise UserError(f"generation.temperatures must be distinct, finite and >= 0, got {self.temperatures}")
         if self.threads is not None and self.threads < 1:
             raise UserError(f"generation.threads must be >= 1 or null (torch default), got {self.threads}")
         for name in ("max_new_tokens", "batch_size", "max_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise UserError(f"generation.{name} must be >= 1, got {getattr(self, name)}")
-        SamplingConfig(0.0, self.top_k, self.top_p)  # validates top_k / top_p
+        if self.top_k < 0:
+            raise UserError(f"generation.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"generation.top_p must be in (0, 1] (1 = off), got {self.top_p}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,26 +104,25 @@ class DistillRecipe:
     def __post_init__(self):
         if not self.task or not self.task.replace("_", "").replace("-", "").isalnum():
             raise UserError(f"task must be a short name like 'math', got {self.task!r}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise UserError(f"num_prompts must be >= 1 or null (every prompt), got {self.num_prompts}")
         if self.shard_size < 1:
             raise UserError(f"shard_size must be >= 1, got {self.shard_size}")
+        bs = self.generation.batch_size
+        if self.shard_size % bs:  # shards are generated batch by batch: a remainder is a short, wasteful batch
+            raise UserError(f"shard_size={self.shard_size} must be a multiple of generation.batch_size={bs}; "
+                            f"set shard_size={max(bs, self.shard_size // bs * bs)} or a generation.batch_size "
+                            f"that divides {self.shard_size}")
 
     @property
     def out_dir(self) -> Path:
         return Path(self.out or f"runs/distill/{self.task}")
 
 
-def recipe_path(task: str) -> Path:
-    p = REPO_ROOT / "recipes" / "tasks" / f"{task}.yaml"
-    if not p.is_file():
-        have = sorted(x.stem for x in (REPO_ROOT / "recipes" / "tasks").glob("*.yaml"))
-        raise UserError(f"--task {task}: no recipe {p}; available tasks: {', '.join(have) or 'none'}")
-    return p
-
-
 def load_distill_recipe(path: str | Path | None = None, overrides=(), *, task: str | None = None) -> DistillRecipe:
     if path is None and task is None:
         raise UserError("give a recipe: --recipe recipes/tasks/<task>.yaml or --task <task>")
-    return load_recipe(DistillRecipe, path if path is not None else recipe_path(task), overrides)
+    return load_recipe(DistillRecipe, path if path is not None else task_recipe(task), overrides)
 
 
 # --------------------------------------------------------------------------- batched generation

@@ -7,12 +7,16 @@ arm's draft time — the switching cost MetaSD describes.
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 from transformers import DynamicCache
 
 from ..draft import Draft
+from ..errors import UserError
 from ..models import check_vocab_compatible, load_model
 from ..sampling import SamplingConfig, choose_token
+from ..specs import Range
 from ..target import crop_cache
 from .base import Arm, ArmEnv, register
 
@@ -75,8 +79,11 @@ class DrafterModelArm(Arm):
 
 
 @register("drafter")
-def _make(env: ArmEnv, path: str, L: int = 4, name: str | None = None):
-    model, tok = load_model(path, trust_remote_code=env.trust_remote_code)
+def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None):
+    try:
+        model, tok = load_model(path, trust_remote_code=env.trust_remote_code)
+    except UserError as exc:
+        raise UserError(f"arm drafter:path={path}: {exc}") from None
     check_vocab_compatible(env.target_tokenizer, tok, target_name=env.target_name, drafter_name=path,
                            target_vocab_size=env.target_model.get_output_embeddings().weight.shape[0],
                            drafter_vocab_size=model.get_output_embeddings().weight.shape[0])

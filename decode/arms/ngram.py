@@ -1,8 +1,11 @@
 """Prompt-lookup decoding (PLD): copy what followed the latest earlier occurrence of the last n-gram."""
 from __future__ import annotations
 
+from typing import Annotated
+
 from ..draft import Draft
 from ..errors import UserError
+from ..specs import Range
 from .base import Arm, ArmEnv, register
 
 
@@ -48,7 +51,7 @@ def _truncate(tokens: list[int], keep_going) -> list[int]:
 
 
 @register("pld")
-def _make(env: ArmEnv, L: int = 4, n: int | None = None, max_ngram: int = 3, min_ngram: int = 1):
-    if n is not None:
-        max_ngram = n
-    return PromptLookupArm(L, max_ngram, min(min_ngram, max_ngram))
+def _make(env: ArmEnv, L: Annotated[int, Range(0)] = 4, n: Annotated[int, Range(1)] | None = None,
+          max_ngram: Annotated[int, Range(1)] = 3, min_ngram: Annotated[int, Range(1)] = 1):
+    """``n`` is shorthand for ``max_ngram``; L=0 makes a plain decoding step (a γ = 0 arm)."""
+    return PromptLookupArm(L, max_ngram if n is None else n, min_ngram)

@@ -6,7 +6,10 @@ text) and copy what followed its most recent earlier occurrence.
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 from ..draft import Draft
+from ..specs import Range
 from .base import Arm, ArmEnv, register
 from .ngram import _truncate
 
@@ -108,5 +111,5 @@ class SuffixArm(Arm):
 
 
 @register("suffix")
-def _make(env: ArmEnv, L: int = 8, min_match: int = 2):
+def _make(env: ArmEnv, L: Annotated[int, Range(0)] = 8, min_match: Annotated[int, Range(1)] = 2):
     return SuffixArm(L, min_match)

@@ -54,6 +54,8 @@ def distilled_dirs(section: DataSection, task: str) -> list[Path]:
         return dirs
     d = root / task
     if not _is_distilled(d):
+        from ..config import task_recipe
+        task_recipe(task)  # an unknown task: list the valid ones instead of suggesting a distill that fails
         raise UserError(f"no distilled data for task '{task}' at {d}; run `make distill TASK={task}` first "
                         f"(or set data.root=... / data.path=...)")
     return [d]

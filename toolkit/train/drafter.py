@@ -275,10 +275,10 @@ def train_drafter(recipe: DrafterRecipe, task: str, *, recipe_file: str | None =
     main = is_main_process()
     set_seed(recipe.train.seed)
 
+    examples = load_examples(recipe.data, task)  # before the target: a data problem fails in a second
     target, ttok = load_model(recipe.target, trust_remote_code=recipe.trust_remote_code)
     if ttok.pad_token_id is None:
         ttok.pad_token = ttok.eos_token
-    examples = load_examples(recipe.data, task)
     train_raw, held_raw = split_heldout(examples, recipe.data)
     train_ds = tokenize_sft(train_raw, ttok, recipe.data.max_length)
     held_ds = tokenize_sft(held_raw, ttok, recipe.data.max_length) if len(held_raw) else None
