@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m decode eval --arms "pld:L=4;suffix:L=6;none" --policies ucbspec,exp3spec \
+	$(PY) -m decode eval --arms "pld:L=4;suffix:L=6;none" --policies "ucbspec;exp3spec" \
 		--max-new-tokens 64 --out runs/demo/report.json
 
 test: $(STAMP)
