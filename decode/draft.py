@@ -1,4 +1,5 @@
-"""Typed values that flow through one round: Draft → (verify) → Outcome → RoundRecord."""
+"""Typed values that flow through one round: Draft → (verify) → Outcome → RoundRecord, and what
+``SpecEngine.step`` returns about the round (StepResult with its StepTimes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -88,3 +89,43 @@ class RoundRecord:
     @property
     def time(self) -> float:
         return self.draft_time + self.verify_time
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in each phase of one round (each read after a device synchronisation).
+
+    select: the policy's choice; draft: ``Arm.propose``; score: the target's verification forward;
+    verify: the verifier (including its one host read); rollback: the target cache rollback; update:
+    committing the tokens, every arm's ``observe``, the record, ``Policy.update`` and the length
+    controller; total: the whole ``step`` call (``other`` = what no phase covers)."""
+
+    select: float = 0.0
+    draft: float = 0.0
+    score: float = 0.0
+    verify: float = 0.0
+    rollback: float = 0.0
+    update: float = 0.0
+    total: float = 0.0
+
+    @property
+    def bookkeeping(self) -> float:
+        return self.select + self.update
+
+    @property
+    def other(self) -> float:
+        return self.total - (self.select + self.draft + self.score + self.verify + self.rollback + self.update)
+
+
+@dataclass
+class StepResult:
+    """What one round did. A counterfactual step (``SpecEngine.step(..., counterfactual=True)``) has
+    ``tokens == []`` and ``record is None``: it changed nothing but the arms' own caches."""
+
+    arm: int
+    draft: Draft
+    outcome: Outcome  # the verifier's, before any EOS/budget truncation
+    tokens: list[int]  # the tokens appended to the context this round (after EOS/budget truncation)
+    record: RoundRecord | None
+    times: StepTimes
+    hidden: torch.Tensor | None = None  # target hidden states at [last token] + accepted drafts, when computed

@@ -1,4 +1,13 @@
-"""The BanditSpec loop: select arm → draft → verify → accept → roll back caches → update policy."""
+"""The BanditSpec loop. One round is :meth:`SpecEngine.step`: select an arm → propose → score (one
+target forward) → verify → roll the target cache back → commit the kept tokens, let every arm observe,
+update the policy and the length controller. ``generate`` is ``begin`` + ``step`` until done + ``finish``;
+counterfactual traces (decode/traces.py) drive the same ``step``.
+
+Timed regions synchronise the target's device first (decode/device.py), so queued GPU work falls
+inside the phase that issued it. The round moves nothing of size V to the host: the verifier packs what
+the host needs (accepted count, next token, per-position statistics, the draft ids) into one small
+transfer (decode/verify/__init__.py ``Verifier.verify``).
+"""
 from __future__ import annotations
 
 import statistics
@@ -8,13 +17,38 @@ from dataclasses import dataclass, field
 import torch
 
 from .arms.base import Arm
-from .draft import RoundRecord
+from .device import synchronize
+from .draft import RoundRecord, StepResult, StepTimes
 from .errors import UserError
 from .length import LengthController
 from .policies.base import Policy
 from .target import Target
-from .traces import MODES, ArmStep, Trace, TraceStep, counterfactual_round, dense_trace
 from .verify import Verifier
+
+
+@dataclass
+class DecodeState:
+    """One query in flight (made by :meth:`SpecEngine.begin`, advanced by :meth:`SpecEngine.step`)."""
+
+    prompt_ids: list[int]
+    policy: Policy
+    length: LengthController
+    max_new_tokens: int
+    ctx: list[int] = field(default_factory=list)  # prompt + generated tokens
+    tokens: list[int] = field(default_factory=list)  # generated tokens
+    rounds: list[RoundRecord] = field(default_factory=list)
+    times: list[StepTimes] = field(default_factory=list)  # per round, beside ``rounds``
+    stopped_by: str = "length"  # "eos" | "length"
+    start: float = 0.0  # perf_counter() when the query started (after any step-time measurement)
+    setup_time: float = 0.0  # seconds of begin(): policy/controller/arm resets and the target prefill
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.stopped_by == "eos" or self.remaining <= 0
 
 
 @dataclass
@@ -22,9 +56,11 @@ class Generation:
     prompt_len: int
     tokens: list[int]  # new tokens only
     rounds: list[RoundRecord] = field(default_factory=list)
-    wall_time: float = 0.0  # prefill + all rounds (+ trace recording when asked)
+    wall_time: float = 0.0  # setup (resets + prefill) + all rounds (+ trace recording, decode/traces.py)
     stopped_by: str = "length"  # "eos" | "length"
-    trace: Trace | None = None  # counterfactual trace when generate(..., trace=MODE)
+    trace: object | None = None  # a decode.traces.Trace when recorded with decode.traces.record_trace
+    setup_time: float = 0.0  # the part of wall_time spent in begin() (resets + prefill)
+    step_times: list[StepTimes] = field(default_factory=list)  # per round, beside ``rounds``
 
     @property
     def target_forwards(self) -> int:
@@ -36,7 +72,7 @@ class Generation:
 
 class SpecEngine:
     """step_time: seconds of one autoregressive step (a one-token target forward), the unit of the
-    throughput reward; None = measure it once, at the start of the first ``generate``."""
+    throughput reward; None = measure it once, at the start of the first query (``begin``)."""
 
     def __init__(self, target: Target, arms: list[Arm], verifier: Verifier, eos_token_ids=(),
                  step_time: float | None = None):
@@ -51,6 +87,11 @@ class SpecEngine:
         self.max_len = max(a.L for a in arms)
         self.step_time = step_time
 
+    def _clock(self) -> float:
+        """perf_counter() once the target's device has finished its queued work."""
+        synchronize(getattr(self.target, "device", None))
+        return time.perf_counter()
+
     def measure_step_time(self, prompt_ids: list[int], repeats: int = 5) -> float:
         """Median time of ``repeats`` one-token target forwards + argmax after prefilling the prompt
         (one warm-up forward first); the cache is rolled back after each, so nothing changes."""
@@ -58,10 +99,10 @@ class SpecEngine:
         keep, last = len(prompt_ids) - 1, prompt_ids[-1]
         times = []
         for k in range(repeats + 1):
-            t0 = time.perf_counter()
+            t0 = self._clock()
             int(self.target.score(last, torch.empty(0, dtype=torch.long)).logits[-1].argmax())  # syncs
             if k:
-                times.append(time.perf_counter() - t0)
+                times.append(self._clock() - t0)
             self.target.rollback(keep)
         return statistics.median(times)
 
@@ -69,89 +110,116 @@ class SpecEngine:
         """Target forwards the arms have run themselves (an arm counts them in its ``target_forwards``)."""
         return sum(getattr(a, "target_forwards", 0) for a in self.arms)
 
-    def generate(self, prompt_ids: list[int], policy: Policy, max_new_tokens: int,
-                 length: LengthController | None = None, reset_policy: bool = True,
-                 trace: str | bool | None = None) -> Generation:
-        """Decode one prompt.
+    # ---- one query: begin → step … → finish ------------------------------------------------------------
 
-        reset_policy: start the query with ``policy.new_query()`` (re-initialises it unless it was
-            built with carry=true); False leaves the policy exactly as it is.
-        trace: None/False, "rounds" (or True) or "dense": also record a counterfactual trace of what
-            every arm would have produced (decode/traces.py) in ``Generation.trace``.
-        """
+    def begin(self, prompt_ids: list[int], policy: Policy, max_new_tokens: int,
+              length: LengthController | None = None, reset_policy: bool = True) -> DecodeState:
+        """Start a query: validate, measure the step time if not known yet, reset the policy (unless
+        ``reset_policy`` is False), the length controller and every arm, and prefill the target."""
         if max_new_tokens <= 0:
             raise UserError(f"max_new_tokens must be > 0, got {max_new_tokens}")
         if len(prompt_ids) == 0:
             raise UserError("empty prompt: there is nothing to continue")
         if policy.K != len(self.arms):
             raise ValueError(f"policy built for {policy.K} arms, engine has {len(self.arms)}")
-        mode = "rounds" if trace is True else (trace or None)
-        if mode is not None and mode not in MODES:
-            raise UserError(f"trace must be one of {', '.join(MODES)}, got '{trace}'")
+        prompt_ids = list(prompt_ids)
         length = length or LengthController()
         if self.step_time is None:
             self.step_time = self.measure_step_time(prompt_ids)
-        start = time.perf_counter()
+        start = self._clock()
         if reset_policy:
             policy.new_query()
         length.reset()
         for arm in self.arms:
             arm.reset(prompt_ids)
-        self.target.prefill(prompt_ids)
-        ctx = list(prompt_ids)
-        gen = Generation(len(prompt_ids), [])
-        steps: list[TraceStep] = []
-        while len(gen.tokens) < max_new_tokens:
-            i = policy.select()
-            arm = self.arms[i]
-            remaining = max_new_tokens - len(gen.tokens)
-            cf = counterfactual_round(self, ctx, remaining, skip=i) if mode == "rounds" else None
-            f0 = self._arm_target_forwards()
-            t0 = time.perf_counter()
-            draft = arm.propose(ctx, min(arm.L, remaining - 1), length.keep_going(i))
-            t1 = time.perf_counter()
-            n = len(ctx)
-            scored = self.target.score(ctx[-1], draft.tokens)
-            outcome = self.verifier.verify(scored.logits, draft)
+        # the most the target cache will hold: every token but the last, plus one round's L + 1 (sizes a static cache)
+        self.target.prefill(prompt_ids, capacity=len(prompt_ids) + max_new_tokens + self.max_len + 1)
+        state = DecodeState(prompt_ids, policy, length, max_new_tokens, ctx=list(prompt_ids), start=start)
+        state.setup_time = self._clock() - start
+        return state
+
+    def step(self, state: DecodeState, arm: int | None = None, *, counterfactual: bool = False,
+             keep: int | None = None) -> StepResult:
+        """One round from ``state.ctx``.
+
+        arm: the arm to play; None = ``state.policy.select()``.
+        counterfactual: only ask what ``arm`` would produce here: propose (without the length
+            controller), score and verify, then roll the target cache back to ``keep`` tokens (default
+            len(ctx) − 1, as it was) and change nothing else (no tokens, observe or updates).
+        """
+        if state.done:
+            raise ValueError("the query is finished (EOS or token budget reached); begin() a new one")
+        if keep is not None and not counterfactual:
+            raise ValueError("keep= is for counterfactual steps; a live round keeps the accepted prefix")
+        t_start = self._clock()
+        i = state.policy.select() if arm is None else int(arm)
+        a = self.arms[i]
+        ctx, remaining = state.ctx, state.remaining
+        keep_going = None if counterfactual else state.length.keep_going(i)
+        f0 = self._arm_target_forwards()
+        t0 = self._clock()
+        draft = a.propose(ctx, min(a.L, remaining - 1), keep_going)
+        t1 = self._clock()
+        n = len(ctx)
+        scored = self.target.score(ctx[-1], draft.tokens)
+        t2 = self._clock()
+        outcome = self.verifier.verify(scored.logits, draft)
+        t3 = self._clock()
+        if counterfactual:
+            self.target.rollback(n - 1 if keep is None else keep)
+        else:
             self.target.rollback(n + outcome.accepted)
-            t2 = time.perf_counter()
-            new = outcome.tokens[:remaining]
-            for j, tok in enumerate(new):
-                if tok in self.eos:
-                    new = new[:j + 1]
-                    gen.stopped_by = "eos"
-                    break
-            if cf is not None:
-                cf[i] = ArmStep(outcome.accepted + 1, len(draft), outcome.accepted, t1 - t0, t2 - t1,
-                                list(outcome.tv), list(outcome.accept_prob))
-                steps.append(TraceStep(len(gen.tokens), cf, i))
-            ctx.extend(new)
-            gen.tokens.extend(new)
-            hidden = scored.hidden[:outcome.accepted + 1] if scored.hidden is not None else None
-            if hidden is not None:
-                length.observe_target(hidden[-1])
-            for a in self.arms:
-                a.observe(ctx, hidden if a.uses_target_hidden else None)
-            # accepted draft tokens cut off by EOS are not counted: new = kept draft tokens (+ the bonus)
-            rec = RoundRecord(arm=i, drafted=len(draft), accepted=min(outcome.accepted, len(new)),
-                              new_tokens=len(new), draft_time=t1 - t0, verify_time=t2 - t1, tv=outcome.tv,
-                              accept_prob=outcome.accept_prob, max_len=arm.L, step_time=self.step_time,
-                              extra_target_forwards=self._arm_target_forwards() - f0)
-            gen.rounds.append(rec)
-            policy.update(i, rec)
-            length.update(len(draft), outcome, arm=i)
-            if gen.stopped_by == "eos":
+        t4 = self._clock()
+        hidden = scored.hidden[:outcome.accepted + 1] if scored.hidden is not None else None
+        times = StepTimes(t0 - t_start, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        if counterfactual:
+            times.total = self._clock() - t_start
+            return StepResult(i, draft, outcome, [], None, times, hidden)
+
+        new = outcome.tokens[:remaining]
+        for j, tok in enumerate(new):
+            if tok in self.eos:
+                new = new[:j + 1]
+                state.stopped_by = "eos"
                 break
-        if mode == "rounds":
-            gen.trace = Trace("rounds", len(prompt_ids), max_new_tokens, len(gen.tokens), gen.stopped_by,
-                              [a.label for a in self.arms], [a.L for a in self.arms], steps,
-                              step_time=self.step_time)
-        elif mode == "dense":
-            starts, pos = {}, 0
-            for r in gen.rounds:
-                starts[pos] = r.arm
-                pos += r.new_tokens
-            gen.trace = dense_trace(self, prompt_ids, gen.tokens, max_new_tokens, gen.stopped_by, starts)
-            gen.trace.step_time = self.step_time
-        gen.wall_time = time.perf_counter() - start
-        return gen
+        self.commit(state, new, hidden)
+        # accepted draft tokens cut off by EOS are not counted: new = kept draft tokens (+ the bonus)
+        rec = RoundRecord(arm=i, drafted=len(draft), accepted=min(outcome.accepted, len(new)),
+                          new_tokens=len(new), draft_time=t1 - t0, verify_time=t4 - t1, tv=outcome.tv,
+                          accept_prob=outcome.accept_prob, max_len=a.L, step_time=self.step_time,
+                          extra_target_forwards=self._arm_target_forwards() - f0)
+        state.rounds.append(rec)
+        state.policy.update(i, rec)
+        state.length.update(len(draft), outcome, arm=i)
+        t5 = self._clock()
+        times.update, times.total = t5 - t4, t5 - t_start
+        state.times.append(times)
+        return StepResult(i, draft, outcome, new, rec, times, hidden)
+
+    def commit(self, state: DecodeState, tokens: list[int], hidden: torch.Tensor | None = None) -> None:
+        """Append ``tokens`` to the query and let the length controller and every arm observe them
+        (``hidden``: the target's hidden states at the positions that produced them, last row last).
+        The target cache must already hold the new context minus its last token."""
+        state.ctx.extend(tokens)
+        state.tokens.extend(tokens)
+        if hidden is not None:
+            state.length.observe_target(hidden[-1])
+        for a in self.arms:
+            a.observe(state.ctx, hidden if a.uses_target_hidden else None)
+
+    def finish(self, state: DecodeState) -> Generation:
+        """The query's Generation; wall_time runs from begin() to now."""
+        return Generation(len(state.prompt_ids), state.tokens, state.rounds, self._clock() - state.start,
+                          state.stopped_by, setup_time=state.setup_time, step_times=state.times)
+
+    def generate(self, prompt_ids: list[int], policy: Policy, max_new_tokens: int,
+                 length: LengthController | None = None, reset_policy: bool = True) -> Generation:
+        """Decode one prompt: ``begin``, ``step`` until EOS or the budget, ``finish``.
+
+        reset_policy: start the query with ``policy.new_query()`` (re-initialises it unless it was
+            built with carry=true); False leaves the policy exactly as it is.
+        """
+        state = self.begin(prompt_ids, policy, max_new_tokens, length, reset_policy)
+        while not state.done:
+            self.step(state)
+        return self.finish(state)

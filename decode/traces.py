@@ -4,7 +4,9 @@ At a recorded position each arm proposes from the same context, the target score
 the verifier decides, then the target cache is rolled back — so the simulator (``decode simulate
 --traces``) can replay any policy offline on real model behaviour.
 
-Two modes (``SpecEngine.generate(..., trace=MODE)``):
+Recorded by :func:`record_trace` (``record_trace(engine, prompt_ids, policy, max_new_tokens, MODE)``),
+which drives the engine's own round (``SpecEngine.step``; a counterfactual step is the same round with
+a forced arm that commits nothing). Two modes:
 - ``"rounds"``: at each live round, before the live arm drafts, every other arm is scored from the
   same prefix (K − 1 extra target forwards per round). The live arm's entry is the live round
   itself. Cheap; a replay is exact for policies that visit the same positions (e.g. the fixed arm
@@ -25,15 +27,17 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from .draft import Draft
+from .draft import StepResult
+from .engine import DecodeState, Generation, SpecEngine
 from .errors import UserError
 from .io import atomic_write_json
+from .length import LengthController
+from .policies.base import Policy
 
 VERSION = 1
 MODES = ("rounds", "dense")
@@ -103,64 +107,83 @@ class RngGuard:
         return False
 
 
-def score_arm(engine, arm_index: int, ctx: list[int], remaining: int, keep: int | None = None):
-    """Propose with one arm from ``ctx``, score and verify; then crop the target cache to ``keep``
-    tokens (default len(ctx) − 1, i.e. as it was).
-
-    Returns (ArmStep, Outcome, ScoreResult)."""
-    arm = engine.arms[arm_index]
-    t0 = time.perf_counter()
-    draft: Draft = arm.propose(ctx, min(arm.L, remaining - 1), None)
-    t1 = time.perf_counter()
-    n = len(ctx)
-    scored = engine.target.score(ctx[-1], draft.tokens)
-    outcome = engine.verifier.verify(scored.logits, draft)
-    engine.target.rollback(n - 1 if keep is None else keep)
-    t2 = time.perf_counter()
-    step = ArmStep(outcome.accepted + 1, len(draft), outcome.accepted, t1 - t0, t2 - t1,
-                   list(outcome.tv), list(outcome.accept_prob))
-    return step, outcome, scored
+def arm_step(res: StepResult) -> ArmStep:
+    """The trace entry of one (live or counterfactual) round."""
+    o = res.outcome
+    return ArmStep(o.accepted + 1, len(res.draft), o.accepted, res.times.draft,
+                   res.times.score + res.times.verify + res.times.rollback, list(o.tv), list(o.accept_prob))
 
 
-def counterfactual_round(engine, ctx: list[int], remaining: int, skip: int) -> list[ArmStep | None]:
+def counterfactual_round(engine: SpecEngine, state: DecodeState, skip: int) -> list[ArmStep | None]:
     """Every arm except ``skip`` (the live one) from the same prefix; the live path is untouched."""
     out: list[ArmStep | None] = [None] * len(engine.arms)
     with RngGuard(engine):
         for j in range(len(engine.arms)):
             if j != skip:
-                out[j] = score_arm(engine, j, ctx, remaining)[0]
+                out[j] = arm_step(engine.step(state, j, counterfactual=True))
     return out
 
 
-def dense_trace(engine, prompt_ids: list[int], tokens: list[int], max_new_tokens: int, stopped_by: str,
-                live_starts: dict[int, int] | None = None) -> Trace:
-    """Score every arm at every position of a finished generation (fresh prefill; arms reset)."""
+def dense_trace(engine: SpecEngine, prompt_ids: list[int], tokens: list[int], max_new_tokens: int, stopped_by: str,
+                policy: Policy, live_starts: dict[int, int] | None = None) -> Trace:
+    """Score every arm at every position of a finished generation (fresh prefill; arms reset); after
+    the K counterfactual steps at a position, the output's next token is committed."""
     tr = Trace("dense", len(prompt_ids), max_new_tokens, len(tokens), stopped_by,
-               [a.label for a in engine.arms], [a.L for a in engine.arms])
+               [a.label for a in engine.arms], [a.L for a in engine.arms], step_time=engine.step_time or 0.0)
     live_starts = live_starts or {}
-    full = list(prompt_ids) + list(tokens)
+    K = len(engine.arms)
     with RngGuard(engine):
-        for a in engine.arms:
-            a.reset(list(prompt_ids))
-        engine.target.prefill(list(prompt_ids))
+        state = engine.begin(prompt_ids, policy, max_new_tokens, reset_policy=False)
         for m in range(len(tokens)):
-            n = len(prompt_ids) + m
-            ctx = full[:n]
+            n = len(state.ctx)
             steps, hidden = [], None
-            K = len(engine.arms)
             for j in range(K):
                 # the last arm keeps ctx[-1] in the cache: the next prefix is one token longer
-                st, outcome, scored = score_arm(engine, j, ctx, max_new_tokens - m, keep=n if j == K - 1 else None)
-                steps.append(st)
-                if hidden is None and scored.hidden is not None:
-                    hidden = scored.hidden[:1]
-                k = min(len(outcome.tokens), len(tokens) - m)
-                if engine.verifier.cfg.greedy and outcome.tokens[:k] != tokens[m:m + k]:
+                res = engine.step(state, j, counterfactual=True, keep=n if j == K - 1 else None)
+                steps.append(arm_step(res))
+                if hidden is None and res.hidden is not None:
+                    hidden = res.hidden[:1]
+                k = min(len(res.outcome.tokens), len(tokens) - m)
+                if engine.verifier.cfg.greedy and res.outcome.tokens[:k] != tokens[m:m + k]:
                     tr.mismatches += 1
             tr.steps.append(TraceStep(m, steps, live_starts.get(m, -1)))
-            for a in engine.arms:
-                a.observe(full[:n + 1], hidden if a.uses_target_hidden else None)
+            engine.commit(state, [tokens[m]], hidden)
     return tr
+
+
+def record_trace(engine: SpecEngine, prompt_ids: list[int], policy: Policy, max_new_tokens: int,
+                 mode: str = "dense", length: LengthController | None = None,
+                 reset_policy: bool = True) -> Generation:
+    """Decode one prompt like ``engine.generate`` and record its counterfactual trace (``mode``
+    "rounds" or "dense", see the module docstring) in ``Generation.trace``. The live output equals an
+    untraced run's; ``wall_time`` includes the trace work."""
+    if mode not in MODES:
+        raise UserError(f"trace mode must be one of {', '.join(MODES)}, got '{mode}'")
+    state = engine.begin(prompt_ids, policy, max_new_tokens, length, reset_policy)
+    steps: list[TraceStep] = []
+    while not state.done:
+        if mode == "rounds":
+            pos, i = len(state.tokens), state.policy.select()
+            cf = counterfactual_round(engine, state, skip=i)
+            res = engine.step(state, i)
+            cf[i] = arm_step(res)
+            steps.append(TraceStep(pos, cf, i))
+        else:
+            engine.step(state)
+    if mode == "rounds":
+        trace = Trace("rounds", len(state.prompt_ids), max_new_tokens, len(state.tokens), state.stopped_by,
+                      [a.label for a in engine.arms], [a.L for a in engine.arms], steps,
+                      step_time=engine.step_time)
+    else:
+        starts, pos = {}, 0
+        for r in state.rounds:
+            starts[pos] = r.arm
+            pos += r.new_tokens
+        trace = dense_trace(engine, state.prompt_ids, state.tokens, max_new_tokens, state.stopped_by,
+                            state.policy, starts)
+    gen = engine.finish(state)
+    gen.trace = trace
+    return gen
 
 
 def write_traces(path: str | os.PathLike, traces: list[Trace | dict]) -> None:

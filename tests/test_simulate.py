@@ -12,7 +12,7 @@ from decode.policies.simple import Fixed
 from decode.sampling import SamplingConfig
 from decode.simulate import ReplayInstance, SyntheticInstance, run_policy, stopping_times
 from decode.target import Target
-from decode.traces import load_traces, write_traces
+from decode.traces import load_traces, record_trace, write_traces
 from decode.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
@@ -61,12 +61,12 @@ def test_traced_runs_match_untraced_and_replay_fixed_arms_exactly(tmp_path):
     live = {}
     for i in range(K):
         plain = eng.generate(PROMPT, Fixed(K, eng.max_len, arm=i), N)
-        traced = eng.generate(PROMPT, Fixed(K, eng.max_len, arm=i), N, trace="rounds")
+        traced = record_trace(eng, PROMPT, Fixed(K, eng.max_len, arm=i), N, "rounds")
         assert plain.tokens == traced.tokens == ref
         assert [(r.accepted, r.drafted) for r in plain.rounds] == [(r.accepted, r.drafted) for r in traced.rounds]
         live[i] = (len(plain.rounds), traced.trace)
     assert len({st for st, _ in live.values()}) == K  # the arms really differ on this prompt
-    gen = eng.generate(PROMPT, build_policy("ucbspec", K, eng.max_len), N, trace="dense")
+    gen = record_trace(eng, PROMPT, build_policy("ucbspec", K, eng.max_len), N, "dense")
     assert gen.tokens == ref and gen.trace.mismatches == 0 and len(gen.trace.steps) == N
     path = tmp_path / "traces.json"
     write_traces(path, [gen.trace] + [t for _, t in live.values()])
@@ -104,7 +104,7 @@ def test_cli_synthetic_writes_json_markdown_and_plot(tmp_path, capsys):
 def test_cli_replay_and_errors(tmp_path, capsys):
     model = tiny_llama(seed=1, peaked=3.0)
     eng = _engine(model)
-    gen = eng.generate(PROMPT, build_policy("random", 3, eng.max_len), 12, trace="dense")
+    gen = record_trace(eng, PROMPT, build_policy("random", 3, eng.max_len), 12, "dense")
     path = tmp_path / "t.json"
     write_traces(path, [gen.trace])
     out = tmp_path / "r.json"
@@ -132,7 +132,8 @@ def test_sampled_traced_run_leaves_the_live_output_unchanged():
     outs = []
     for mode in (None, "rounds", "dense"):
         gen.manual_seed(5)
-        g = eng.generate(PROMPT[:8], build_policy("ucbspec", 3, 4, seed=1), 16, trace=mode)
+        pol = build_policy("ucbspec", 3, 4, seed=1)
+        g = eng.generate(PROMPT[:8], pol, 16) if mode is None else record_trace(eng, PROMPT[:8], pol, 16, mode)
         outs.append((g.tokens, [(r.arm, r.accepted) for r in g.rounds]))
     assert outs[0] == outs[1] == outs[2]
 

@@ -63,19 +63,27 @@ class Verifier:
         """One sequence: target_logits [L+1, V] at [last token] + draft.
 
         ``tv`` and ``accept_prob`` cover all L drafted positions (the target scored them all); the
-        positions the acceptance test reached are the first min(accepted + 1, L). Input errors are
-        checked in the one host read of the result that the caller needs anyway.
+        positions the acceptance test reached are the first min(accepted + 1, L).
+
+        Host transfer: exactly one per call, of 3 + 3L numbers (accepted, next token, input-error
+        status, accept_prob[L], tv[L], the draft ids[L]) packed into one float64 vector on the logits'
+        device (float64 holds every token id exactly); nothing of size V leaves the device. Input
+        errors are raised from that same read.
         """
-        res = self.verify_batch(target_logits.unsqueeze(0), draft.tokens.unsqueeze(0).to(target_logits.device),
+        dev = target_logits.device
+        tokens = draft.tokens.to(dev)
+        res = self.verify_batch(target_logits.unsqueeze(0), tokens.unsqueeze(0),
                                 None if draft.q is None else draft.q.unsqueeze(0), check=False)
         L = len(draft)
-        flat = torch.cat([res.accepted.to(torch.float64), res.next_token.to(torch.float64),
-                          res.status.to(torch.float64), res.accept_prob[0].to(torch.float64),
-                          res.tv[0].to(torch.float64)]).tolist()
+        f64 = torch.float64
+        flat = torch.cat([res.accepted.to(f64).reshape(1), res.next_token.to(f64).reshape(1),
+                          res.status.to(f64).reshape(1), res.accept_prob[0].to(f64), res.tv[0].to(f64),
+                          tokens.to(f64)]).tolist()
         if flat[2]:
             raise_for_status(res.status, target_logits.shape[-1], draft.tokens)
         a, nxt = int(flat[0]), int(flat[1])
-        return Outcome(a, draft.tokens[:a].tolist() + [nxt], flat[3:3 + L], flat[3 + L:])
+        ids = [int(t) for t in flat[3 + 2 * L:3 + 2 * L + a]]
+        return Outcome(a, ids + [nxt], flat[3:3 + L], flat[3 + L:3 + 2 * L])
 
 
 __all__ = ["Verifier", "VerifyResult", "verify_reference", "BACKENDS"]

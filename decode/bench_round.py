@@ -1,0 +1,164 @@
+"""Where a round's time goes, per arm: draft (the arm's propose), target forward (the verification
+forward), verify, cache rollback, bookkeeping (policy select/update, length controller, every arm's
+observe, the round record) and other (the rest of the decode loop), as ms per round and % of a round.
+
+Each arm decodes the prompts alone (a fixed-arm policy over the whole pool, as ``decode eval`` runs
+it), greedy, through ``SpecEngine.generate``; the phases are the timings ``SpecEngine.step`` measured
+in those very rounds (after a device synchronisation), so they describe the real round. A round's
+time is the generation's wall time minus its setup (resets + prefill), divided by its rounds; "other"
+is that minus the measured phases. "outside" = everything but the target forward and the drafting
+(issue 12 aims below 3% of a round). A warm-up generation per arm runs first and is not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .arms import ArmEnv, build_arm
+from .device import DEVICES, DTYPES, dtype_name, resolve_device, resolve_dtype
+from .engine import Generation, SpecEngine
+from .errors import UserError
+from .evaluate import _eos_ids
+from .io import atomic_write_json, atomic_write_text
+from .models import DEFAULT_TARGET, load_model
+from .policies.simple import Fixed
+from .sampling import SamplingConfig
+from .specs import split_specs
+from .suites import BUILTIN, encode_prompt, load_jsonl_suite, select
+from .target import CACHE_KINDS, Target
+from .verify import BACKENDS, Verifier
+
+# (key, column title); "other" is computed, the rest come from StepTimes
+PHASES = [("draft", "draft"), ("target_forward", "target fwd"), ("verify", "verify"), ("rollback", "rollback"),
+          ("bookkeeping", "bookkeeping"), ("other", "other")]
+OUTSIDE = ("verify", "rollback", "bookkeeping", "other")  # not the target forward, not the drafting
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help="alias, local HF folder or hub id (default: %(default)s)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the hub")
+    p.add_argument("--arms", default="pld:L=4;suffix:L=6;none",
+                   help="arm specs separated by ';', as in `decode eval` (default: %(default)s)")
+    p.add_argument("--suite", help="Spec-Bench style JSONL (question_id, category, turns); default: built-in mixed set")
+    p.add_argument("--categories", help="comma-separated categories to keep (default: all)")
+    p.add_argument("--limit", type=int, help="at most N >= 1 prompts per category")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="integer >= 1 (default: %(default)s)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="auto", help=f"{DEVICES} (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help=f"auto|{'|'.join(DTYPES)} (default: %(default)s)")
+    p.add_argument("--verifier", default="auto", choices=BACKENDS)
+    p.add_argument("--cache", default="static", choices=CACHE_KINDS,
+                   help="KV cache of the target and of the arms that own one (default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the target's verification forward (needs --cache static)")
+    p.add_argument("--out", help="also write the breakdown as JSON here (the table beside it as .md)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def breakdown(gens: list[Generation]) -> dict:
+    """One arm's generations → rounds, tokens, ms per round and % of a round for every phase."""
+    rounds = sum(len(g.rounds) for g in gens)
+    if rounds == 0:
+        raise UserError("no rounds were decoded; nothing to break down")
+    loop = sum(g.wall_time - g.setup_time for g in gens)  # every round, loop overhead included
+    st = [t for g in gens for t in g.step_times]
+    secs = {"draft": sum(t.draft for t in st), "target_forward": sum(t.score for t in st),
+            "verify": sum(t.verify for t in st), "rollback": sum(t.rollback for t in st),
+            "bookkeeping": sum(t.bookkeeping for t in st)}
+    secs["other"] = loop - sum(secs.values())
+    tokens = sum(len(g.tokens) for g in gens)
+    return {
+        "generations": len(gens), "rounds": rounds, "tokens": tokens, "tokens_per_round": tokens / rounds,
+        "round_ms": 1000 * loop / rounds, "tokens_per_s": tokens / loop if loop > 0 else 0.0,
+        "phases": {k: {"ms_per_round": 1000 * v / rounds, "percent": 100 * v / loop if loop > 0 else 0.0}
+                   for k, v in secs.items()},
+        "outside_percent": 100 * sum(secs[k] for k in OUTSIDE) / loop if loop > 0 else 0.0,
+    }
+
+
+def markdown_table(arms: dict[str, dict]) -> str:
+    head = ("| arm | rounds | tokens/round | round ms | " + " | ".join(f"{t} ms (%)" for _, t in PHASES)
+            + " | outside fwd+draft |")
+    rows = [head, "|" + "---|" * (len(PHASES) + 5)]
+    for label, b in arms.items():
+        cells = [f"{b['phases'][k]['ms_per_round']:.3f} ({b['phases'][k]['percent']:.1f}%)" for k, _ in PHASES]
+        rows.append(f"| {label} | {b['rounds']} | {b['tokens_per_round']:.2f} | {b['round_ms']:.3f} | "
+                    + " | ".join(cells) + f" | {b['outside_percent']:.1f}% |")
+    return "\n".join(rows)
+
+
+def run(args) -> int:
+    for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit), ("--threads", args.threads)):
+        if v is not None and v < 1:
+            raise UserError(f"{flag} must be an integer >= 1, got {v}")
+    out = Path(args.out) if args.out else None
+    if out is not None and (out.is_dir() or out.suffix == ".md"):
+        raise UserError(f"--out {out}: pass a .json file path (the table is written beside it as .md)")
+    specs = split_specs(args.arms or "")
+    if not specs:
+        raise UserError("no arms: pass --arms (e.g. 'pld:L=4;suffix:L=6;none')")
+    if args.compile and args.cache != "static":
+        raise UserError("--compile needs --cache static (a dynamic cache changes shape every round)")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    prompts = load_jsonl_suite(args.suite) if args.suite else list(BUILTIN)
+    cats = None if args.categories is None else [c.strip() for c in args.categories.split(",") if c.strip()]
+    prompts = select(prompts, cats, args.limit)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    torch.manual_seed(0)
+    model, tok = load_model(args.target, dtype=dtype, device=str(device), trust_remote_code=args.trust_remote_code)
+    sampling = SamplingConfig()
+    gen = torch.Generator().manual_seed(0)
+    target = Target(model, tok, cache=args.cache, compile=args.compile)
+    env = ArmEnv(model, tok, sampling, gen, target_name=args.target, trust_remote_code=args.trust_remote_code,
+                 target=target, cache=args.cache)
+    arms = [build_arm(s, env) for s in specs]
+    labels = [a.label for a in arms]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"duplicate arms: {labels}; give drafters distinct name=... labels")
+    if any(a.uses_target_hidden for a in arms):
+        target.want_hidden = True
+    engine = SpecEngine(target, arms, Verifier(sampling, args.verifier, gen), _eos_ids(model, tok))
+    encoded = [encode_prompt(tok, p.text) for p in prompts]
+    K = len(arms)
+
+    def policy(i):
+        return Fixed(K, engine.max_len, arm=i)
+
+    for i in range(K):  # warm-up (and the step-time measurement), not counted
+        engine.generate(encoded[0], policy(i), min(8, args.max_new_tokens))
+    gens: dict[int, list[Generation]] = {i: [] for i in range(K)}
+    per_gen = []
+    bar = tqdm(total=len(encoded) * K, desc="bench-round", unit="run", disable=args.no_progress)
+    for pi, (p, ids) in enumerate(zip(prompts, encoded)):
+        for i in [(pi + k) % K for k in range(K)]:  # rotate: noise hits all arms alike
+            g = engine.generate(ids, policy(i), args.max_new_tokens)
+            gens[i].append(g)
+            per_gen.append({"arm": labels[i], "prompt_id": p.id, "rounds": len(g.rounds), "new_tokens": len(g.tokens),
+                            "wall_time": g.wall_time, "setup_time": g.setup_time})
+            bar.update()
+    bar.close()
+    result = {label: breakdown(gens[i]) for i, label in enumerate(labels)}
+    table = markdown_table(result)
+    print(table)
+    compiled = " + compile" if args.compile else ""
+    print(f"\n{len(encoded)} prompt(s) x {args.max_new_tokens} new tokens, {device}/{dtype_name(dtype)}, "
+          f"{torch.get_num_threads()} thread(s), {args.cache} cache{compiled}; outside = verify + rollback + "
+          "bookkeeping + other (draft includes model-free lookups)")
+    if out is not None:
+        report = {"config": {k: v for k, v in vars(args).items() if k != "func"} | {
+                      "arm_specs": specs, "arm_labels": labels, "device": str(device), "dtype": dtype_name(dtype),
+                      "threads": torch.get_num_threads(), "step_time": engine.step_time, "torch": torch.__version__,
+                      "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                  "arms": result, "generations": per_gen, "table": table}
+        atomic_write_json(out, report)
+        atomic_write_text(out.with_suffix(".md"), table + "\n")
+        print(f"report: {out}")
+    return 0

@@ -1,0 +1,65 @@
+"""bench-round: every phase reported, the parts add up to the round, rounds counted from the real decoding."""
+import json
+
+import pytest
+import torch
+
+from decode.cli import main
+
+PHASES = ("draft", "target_forward", "verify", "rollback", "bookkeeping", "other")
+
+
+def test_bench_round_breaks_every_arm_round_into_phases(tiny_target_dir, tmp_path, capsys, one_thread):
+    out = tmp_path / "br" / "round.json"
+    rc = main(["bench-round", "--target", tiny_target_dir, "--arms", "pld:L=4;suffix:L=6;none", "--limit", "1",
+               "--categories", "code,chat", "--max-new-tokens", "12", "--threads", "1", "--device", "cpu",
+               "--no-progress", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    rep = json.loads(out.read_text())
+    labels = rep["config"]["arm_labels"]
+    assert labels == ["pld@4", "suffix@6", "none"]
+    table = out.with_suffix(".md").read_text()
+    assert table.strip() == rep["table"] and rep["table"] in printed
+    for col in ("draft", "target fwd", "verify", "rollback", "bookkeeping", "other", "outside"):
+        assert col in table
+    for label in labels:
+        b = rep["arms"][label]
+        assert f"| {label} |" in table
+        assert set(b["phases"]) == set(PHASES)
+        parts = sum(b["phases"][k]["ms_per_round"] for k in PHASES)
+        assert parts == pytest.approx(b["round_ms"], rel=1e-6)
+        assert sum(b["phases"][k]["percent"] for k in PHASES) == pytest.approx(100.0, abs=1e-6)
+        assert all(b["phases"][k]["ms_per_round"] >= 0 for k in PHASES if k != "other")
+        assert b["phases"]["other"]["ms_per_round"] > -0.05 * b["round_ms"]  # clock jitter only
+        outside = sum(b["phases"][k]["percent"] for k in ("verify", "rollback", "bookkeeping", "other"))
+        assert b["outside_percent"] == pytest.approx(outside)
+        gens = [g for g in rep["generations"] if g["arm"] == label]
+        assert len(gens) == 2 and b["rounds"] == sum(g["rounds"] for g in gens)
+    assert rep["arms"]["none"]["tokens_per_round"] == 1.0
+
+    # the rounds are the engine's own: a plain generate of the same prompt with the same arm agrees
+    from decode.arms import ArmEnv, build_arm
+    from decode.engine import SpecEngine
+    from decode.models import load_model
+    from decode.policies.simple import Fixed
+    from decode.sampling import SamplingConfig
+    from decode.suites import BUILTIN, encode_prompt
+    from decode.target import Target
+    from decode.verify import Verifier
+    model, tok = load_model(tiny_target_dir)
+    env = ArmEnv(model, tok, SamplingConfig())
+    arms = [build_arm(s, env) for s in rep["config"]["arm_specs"]]
+    eng = SpecEngine(Target(model, tok), arms, Verifier(SamplingConfig()), [tok.eos_token_id], step_time=1.0)
+    prompts = {p.id: p for p in BUILTIN}
+    for g in rep["generations"]:
+        ids = encode_prompt(tok, prompts[g["prompt_id"]].text)
+        gen = eng.generate(ids, Fixed(3, eng.max_len, arm=labels.index(g["arm"])), 12)
+        assert (len(gen.rounds), len(gen.tokens)) == (g["rounds"], g["new_tokens"])
+
+
+def test_bench_round_bad_flags(capsys):
+    assert main(["bench-round", "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens" in capsys.readouterr().err
+    assert main(["bench-round", "--arms", " "]) == 2
+    assert "no arms" in capsys.readouterr().err
