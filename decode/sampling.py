@@ -89,5 +89,6 @@ def choose_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gen
     dist = probs(logits, cfg)
     if cfg.greedy:
         return logits.argmax(dim=-1), dist
-    u = torch.rand(dist.shape[:-1], generator=generator)
+    # drawn on the generator's device (a seeded CPU generator), then moved: same draws on every device
+    u = torch.rand(dist.shape[:-1], generator=generator).to(dist.device)
     return sample_from(dist, u), dist

@@ -2,13 +2,60 @@
 
 Cache invariant: for a context of n tokens the cache holds the first n-1; each round feeds
 ``[last token] + draft`` so every round (also the first) is one forward pass of L+1 positions.
+
+KV caches (``KVCache``, shared with the arms that own a cache: drafter, early-exit, EAGLE) come in
+two kinds, chosen per run (``cache="dynamic"|"static"``):
+
+- ``dynamic``: HF ``DynamicCache``; tensors grow by concatenation, rollback crops them.
+- ``static``: HF ``StaticCache``, pre-allocated ``[1, kv_heads, capacity, head_dim]`` per layer (the
+  model's device and dtype); rollback only moves a length pointer. In transformers 5.x a static
+  layer writes each forward's keys/values at its own ``cumulative_length`` (a 0-d tensor) and the
+  causal mask's query offset is read from it, so the pointer is exactly that counter: ``crop`` sets
+  it on every layer (in place, the tensor keeps its address for torch.compile), and every forward
+  is given explicit ``position_ids`` from our own ``length`` (never from ``get_seq_length``).
+
+  Why stale entries beyond the pointer are harmless: a forward of n tokens at pointer p first writes
+  slots p..p+n-1 (every layer's ``update`` runs before its attention reads), and its causal mask lets
+  query p+i see key slots ≤ p+i only; so every slot a query reads was written by this forward or is
+  an accepted entry below p, and slots > p+n-1 (rejected drafts, an earlier longer prompt) are masked.
+  tests/test_static_cache.py checks it (draft, roll back, score a different draft, compare with a
+  fresh dynamic computation) instead of assuming it.
+
+  Capacity (the allocation's length), a clear rule, never a silent truncation:
+  * ``max_cache_len`` given (Target/KVCache constructor): a fixed allocation of exactly that many
+    slots, reused for every sequence; a sequence that needs more is a ``UserError`` naming the
+    numbers (at ``start`` when its declared capacity is larger, else at the forward that overflows).
+  * ``max_cache_len=None`` (default): ``start(capacity)`` allocates ``capacity`` (undeclared: the
+    prompt + ``CACHE_BUCKET``) rounded up to a multiple of ``CACHE_BUCKET`` (256), reusing the
+    current allocation when it is already large enough (an evaluation allocates a few times, not
+    once per prompt); a forward that would overflow re-allocates to max(2 × capacity, need rounded
+    up) and copies the kept prefix. The engine declares the need at prefill: prompt +
+    max_new_tokens + max draft length + 1 (a safe bound: a round writes at most prompt +
+    max_new_tokens − 1 slots).
+  Models whose cache layers are not plain full-attention static layers (sliding-window, linear
+  attention) are refused with cache="static": their static layers roll their buffers and cannot be
+  rolled back by a pointer.
+
+``Target(..., compile=True)`` (static cache only) runs the verification forward through
+``torch.compile(model, dynamic=True)``: the cache tensors and the pointer keep their addresses and
+the number of positions L+1 is a dynamic dimension (no padding: a one-token step costs one
+position). Dynamo specialises size 1, so there are two graphs (L+1 = 1 and L+1 ≥ 2); a new
+allocation (growth, a longer prompt) does not recompile. The prefill stays eager (its length varies
+per prompt). Measured on the default target, 2-core CPU: ~115 s of compilation for ~2% on a
+one-token step and ~15% on a 5-position verify — an option for long runs, off by default.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
+
+from .errors import UserError
+
+CACHE_KINDS = ("dynamic", "static")
+CACHE_BUCKET = 256  # static allocations are multiples of this many slots (max_cache_len=None)
 
 
 @dataclass
@@ -24,39 +71,198 @@ def crop_cache(cache, keep: int) -> None:
     length; 5.x: only negative = number of tokens to remove). A negative count means "remove this
     many" in both, so always pass that.
     """
-    remove = cache.get_seq_length() - keep
+    remove = int(cache.get_seq_length()) - keep
     if remove < 0:
         raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {keep}")
     if remove:
         cache.crop(-remove)
 
 
+def check_cache_kind(kind: str) -> str:
+    if kind not in CACHE_KINDS:
+        raise UserError(f"cache must be one of {', '.join(CACHE_KINDS)}, got '{kind}'")
+    return kind
+
+
+def _round_up(n: int, to: int = CACHE_BUCKET) -> int:
+    return max(to, -(-n // to) * to)
+
+
+def _kv_dims(config) -> tuple[int, int]:
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return kv, head_dim
+
+
+class KVCache:
+    """The KV cache of one sequence, with a length pointer (see the module docstring).
+
+    ``hf`` is the HF cache object to pass as ``past_key_values``; ``length`` is the number of cached
+    tokens. Protocol around a forward of n tokens: ``pos = kv.positions(n)`` (checks/grows capacity,
+    returns the position ids), run the model with ``past_key_values=kv.hf, position_ids=pos``, then
+    ``kv.advance(n)``. ``crop(keep)`` rolls back.
+    """
+
+    def __init__(self, config, kind: str = "dynamic", max_cache_len: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        self.kind = check_cache_kind(kind)
+        if max_cache_len is not None and int(max_cache_len) < 1:
+            raise UserError(f"max_cache_len must be >= 1 (or None to size the cache per prompt), got {max_cache_len}")
+        self.config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.dtype = dtype or torch.float32
+        self.hf = None
+        self.length = 0
+        self.capacity = 0  # allocated slots (static); 0 = nothing allocated yet
+        self.allocations = 0  # static allocations so far (tests / diagnostics)
+        if self.kind == "dynamic":
+            self.start()  # a static one is allocated by the first start() / forward
+
+    @classmethod
+    def for_model(cls, model, kind: str = "dynamic", max_cache_len: int | None = None,
+                  config=None) -> "KVCache":
+        p = next(model.parameters())
+        return cls(config if config is not None else model.config, kind, max_cache_len, p.device, p.dtype)
+
+    # -- allocation ---------------------------------------------------------------------------------
+    def _allocate(self, size: int) -> StaticCache:
+        cache = StaticCache(config=self.config, max_cache_len=size)
+        bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer]
+        if bad:
+            raise UserError(f"cache=static supports full-attention layers only; this model's cache has "
+                            f"{sorted(set(bad))} layers (sliding-window / linear attention): use cache=dynamic")
+        kv, head_dim = _kv_dims(self.config)
+        cache.early_initialization(1, kv, head_dim, self.dtype, self.device)
+        self.allocations += 1
+        return cache
+
+    def start(self, capacity: int | None = None, minimum: int = 0) -> None:
+        """Begin a new sequence (length 0).
+
+        capacity: the most tokens it will hold (declared by the caller); None = unknown: at least
+        ``minimum`` (e.g. the prompt) — an unfixed static cache then allocates ``minimum`` +
+        ``CACHE_BUCKET`` slots (rounded up) and grows on demand."""
+        self.length = 0
+        if self.kind == "dynamic":
+            self.hf = DynamicCache()
+            return
+        need = int(capacity) if capacity is not None else int(minimum)
+        if self.max_cache_len is not None:
+            if need > self.max_cache_len:
+                raise UserError(f"this sequence needs a KV cache of {need} tokens but max_cache_len is "
+                                f"{self.max_cache_len}; raise max_cache_len (or leave it unset) or use cache=dynamic")
+            size = self.max_cache_len
+        else:
+            size = _round_up(need if capacity is not None else need + CACHE_BUCKET)
+        if self.hf is None or self.capacity < size:
+            self.hf, self.capacity = self._allocate(size), size
+        self._sync()
+
+    def _grow(self, need: int) -> None:
+        if self.max_cache_len is not None:
+            raise UserError(f"the context reached {need} tokens but the static KV cache holds max_cache_len="
+                            f"{self.max_cache_len}; raise max_cache_len (or leave it unset) or use cache=dynamic")
+        size = max(2 * self.capacity, _round_up(need))
+        old, keep = self.hf, self.length
+        new = self._allocate(size)
+        for a, b in zip(old.layers, new.layers):
+            b.keys[:, :, :keep].copy_(a.keys[:, :, :keep])
+            b.values[:, :, :keep].copy_(a.values[:, :, :keep])
+        self.hf, self.capacity = new, size
+        self._sync()
+
+    def _sync(self) -> None:
+        for layer in self.hf.layers:
+            layer.cumulative_length.fill_(self.length)
+
+    # -- the pointer --------------------------------------------------------------------------------
+    def positions(self, n: int) -> torch.Tensor:
+        """Position ids [1, n] for the next forward of ``n`` tokens (grows a static cache if needed)."""
+        if self.kind == "static" and self.length + n > self.capacity:
+            if self.hf is None:
+                self.start(minimum=n)
+            else:
+                self._grow(self.length + n)
+        return torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def crop(self, keep: int) -> None:
+        """Keep the first ``keep`` cached tokens."""
+        if not 0 <= keep <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} tokens to {keep}")
+        if keep == self.length:
+            return
+        if self.kind == "dynamic":
+            crop_cache(self.hf, keep)
+        self.length = keep
+        if self.kind == "static":
+            self._sync()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
 class Target:
-    def __init__(self, model, tokenizer=None, *, want_hidden: bool = False):
+    """cache: "dynamic" | "static" (see the module docstring); max_cache_len: a fixed static
+    allocation (None = sized per prompt from ``prefill``'s capacity, growing when needed);
+    compile: torch.compile the verification forward (static cache only)."""
+
+    def __init__(self, model, tokenizer=None, *, want_hidden: bool = False, cache: str = "dynamic",
+                 max_cache_len: int | None = None, compile: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.want_hidden = want_hidden
-        self.device = next(model.parameters()).device
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.cache = DynamicCache()
+        self.cache_kind = check_cache_kind(cache)
+        if compile and cache != "static":
+            raise UserError("compile=True needs cache=static (a dynamic cache changes shape every round)")
+        self.kv = KVCache.for_model(model, cache, max_cache_len)
+        self.compile = bool(compile)
+        self._compiled = torch.compile(model, dynamic=True) if compile else None
         self.forwards = 0
         self.prefill_hidden = None
 
     @property
-    def cached(self) -> int:
-        return self.cache.get_seq_length()
+    def cache(self):
+        """The HF cache object of the current sequence."""
+        return self.kv.hf
 
-    @torch.inference_mode()
-    def _forward(self, ids: list[int] | torch.Tensor, hidden: bool):
+    @property
+    def cached(self) -> int:
+        return self.kv.length
+
+    def _forward(self, ids: list[int] | torch.Tensor, hidden: bool, compiled: bool = False):
         x = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
-        out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+        pos = self.kv.positions(x.shape[1])
+        if compiled and self._compiled is not None:
+            with torch.no_grad():  # inference_mode tensors do not mix well with compiled graphs
+                out = self._compiled(input_ids=x, position_ids=pos, past_key_values=self.kv.hf, use_cache=True,
+                                     output_hidden_states=hidden)
+        else:
+            with torch.inference_mode():
+                out = self.model(input_ids=x, position_ids=pos, past_key_values=self.kv.hf, use_cache=True,
+                                 output_hidden_states=hidden)
+        self.kv.advance(x.shape[1])
         return out
 
-    def prefill(self, prompt_ids: list[int]) -> None:
-        """Start a new sequence: cache all prompt tokens but the last."""
+    def prefill(self, prompt_ids: list[int], capacity: int | None = None) -> None:
+        """Start a new sequence: cache all prompt tokens but the last.
+
+        capacity: the most tokens this sequence will hold in the cache (prompt + max_new_tokens +
+        max draft length + 1 is a safe bound); sizes a static cache (ignored by a dynamic one).
+        None = unknown: the prompt plus ``CACHE_BUCKET`` slots, grown when needed (with a fixed
+        ``max_cache_len``, only the prompt is checked up front)."""
         if len(prompt_ids) == 0:
             raise ValueError("empty prompt")
-        self.cache = DynamicCache()
+        if capacity is not None and capacity < len(prompt_ids) - 1:
+            raise ValueError(f"capacity {capacity} is smaller than the prompt ({len(prompt_ids)} tokens)")
+        self.kv.start(capacity, minimum=len(prompt_ids))
         self.forwards = 0
         self.prefill_hidden = None  # [len(prompt)-1, d] final-layer hidden states when want_hidden
         if len(prompt_ids) > 1:
@@ -66,11 +272,11 @@ class Target:
     def score(self, last_token: int, draft_tokens: torch.Tensor) -> ScoreResult:
         """Verification forward over ``[last_token] + draft`` (one target forward pass)."""
         ids = torch.cat([torch.tensor([last_token]), draft_tokens.to(torch.long).cpu()])
-        out = self._forward(ids, hidden=self.want_hidden)
+        out = self._forward(ids, hidden=self.want_hidden, compiled=True)
         self.forwards += 1
         hidden = out.hidden_states[-1][0] if self.want_hidden else None
         return ScoreResult(out.logits[0].float(), hidden)
 
     def rollback(self, keep: int) -> None:
         """Keep the first ``keep`` cached tokens (the accepted prefix)."""
-        crop_cache(self.cache, keep)
+        self.kv.crop(keep)

@@ -78,21 +78,24 @@ def _assert_first_two_tokens_follow_target(eng, target, cfg, prompt=(0, 2, 4), n
     assert _chi2_ok(counts, _exact_two_token_dist(target, list(prompt), cfg), n) > 1e-3
 
 
-@pytest.mark.parametrize("drafter_kind", ["stochastic", "one-hot"])
-def test_engine_first_two_tokens_follow_target(drafter_kind):
+# static caches (decode/target.py) are checked here where cheap: target + drafter; logits equal the
+# dynamic cache's within fp32 tolerance (tests/test_static_cache.py), so the rest need not repeat
+@pytest.mark.parametrize("drafter_kind,cache", [("stochastic", "dynamic"), ("stochastic", "static"),
+                                                ("one-hot", "dynamic")])
+def test_engine_first_two_tokens_follow_target(drafter_kind, cache):
     cfg = SamplingConfig(1.0)
     target = tiny_llama(vocab=V, hidden=16, layers=1, seed=4, peaked=4.0)
     gen = torch.Generator().manual_seed(0)
     if drafter_kind == "stochastic":
-        arm = DrafterModelArm(tiny_llama(vocab=V, hidden=16, layers=1, seed=5, peaked=4.0), cfg, 2, gen)
+        arm = DrafterModelArm(tiny_llama(vocab=V, hidden=16, layers=1, seed=5, peaked=4.0), cfg, 2, gen, cache=cache)
     else:
         arm = ConstantArm([1, 3])
-    eng = SpecEngine(Target(target), [arm], Verifier(cfg, generator=gen))
+    eng = SpecEngine(Target(target, cache=cache), [arm], Verifier(cfg, generator=gen))
     _assert_first_two_tokens_follow_target(eng, target, cfg)
 
 
-@pytest.mark.parametrize("head_kind", ["early_exit", "eagle"])
-def test_self_drafting_heads_first_two_tokens_follow_target(head_kind):
+@pytest.mark.parametrize("head_kind,cache", [("early_exit", "dynamic"), ("eagle", "dynamic"), ("eagle", "static")])
+def test_self_drafting_heads_first_two_tokens_follow_target(head_kind, cache):
     """The heads' drafts (q from the exit layer / EAGLE feature head) keep sampling exact."""
     from decode.arms.eagle import EagleArm
     from decode.arms.early_exit import EarlyExitArm
@@ -101,11 +104,12 @@ def test_self_drafting_heads_first_two_tokens_follow_target(head_kind):
     cfg = SamplingConfig(1.0)
     target = tiny_llama(vocab=V, hidden=16, layers=3, seed=4, peaked=4.0)
     gen = torch.Generator().manual_seed(0)
-    wrapped = Target(target, want_hidden=True)
+    wrapped = Target(target, want_hidden=True, cache=cache)
     if head_kind == "early_exit":
-        arm = EarlyExitArm(EarlyExitDrafter(target, 1), cfg, L=2, generator=gen, target=wrapped)
+        arm = EarlyExitArm(EarlyExitDrafter(target, 1), cfg, L=2, generator=gen, target=wrapped, cache=cache)
     else:
-        arm = EagleArm(EagleHead(target, init="last_layer"), target, cfg, L=2, generator=gen, target=wrapped)
+        arm = EagleArm(EagleHead(target, init="last_layer"), target, cfg, L=2, generator=gen, target=wrapped,
+                       cache=cache)
     eng = SpecEngine(wrapped, [arm], Verifier(cfg, generator=gen))
     _assert_first_two_tokens_follow_target(eng, target, cfg)
 

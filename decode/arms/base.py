@@ -31,6 +31,7 @@ class ArmEnv:
     target_name: str = "target"
     trust_remote_code: bool = False
     target: "Target | None" = None  # the verifier wrapper (self-drafting arms read its model/hidden states)
+    cache: str = "dynamic"  # KV cache kind of the arms that own one (drafter, early_exit, eagle): dynamic | static
 
 
 class Arm:

@@ -5,6 +5,8 @@ returned by the verification forward (``observe``) and the prefill (``Target.pre
 Head cache entry j = layer(fc([emb(x_{j+1}), f_j])) and predicts f_{j+1}. The head's own KV cache
 holds only entries built from TRUE target features; entries built from predicted features while
 drafting are cropped after every draft (EAGLE recomputes them once the target's features arrive).
+The head cache is a ``decode.target.KVCache`` of the run's kind (``ArmEnv.cache``); with "static"
+that crop moves a pointer.
 
 Per draft with m committed tokens: feed the missing true entries up to j = m-2 in one forward
 (its last output predicts f_{m-1} → draft token 1), then one head step per further token.
@@ -14,13 +16,12 @@ from __future__ import annotations
 from typing import Annotated
 
 import torch
-from transformers import DynamicCache
 
 from ..draft import Draft
 from ..errors import UserError
 from ..heads import EagleHead, load_head
 from ..sampling import SamplingConfig, choose_token
-from ..target import crop_cache
+from ..target import KVCache
 from ..specs import Range
 from .base import Arm, ArmEnv, register
 
@@ -30,7 +31,8 @@ class EagleArm(Arm):
     uses_target_hidden = True
 
     def __init__(self, head: EagleHead, target_model, sampling: SamplingConfig, L: int = 4,
-                 generator: torch.Generator | None = None, label: str | None = None, target=None):
+                 generator: torch.Generator | None = None, label: str | None = None, target=None,
+                 cache: str = "dynamic"):
         super().__init__(L)
         self.head = head.eval()
         self.target_model = target_model
@@ -40,6 +42,7 @@ class EagleArm(Arm):
         self._label = label
         self.device = next(head.parameters()).device
         self.target_forwards = 0  # target forwards this arm ran itself (the engine counts them in MAT)
+        self.cache = KVCache.for_model(self.head, cache, config=self.head.model.config)
         self.reset([])
 
     @property
@@ -47,7 +50,7 @@ class EagleArm(Arm):
         return self._label or f"eagle@{self.L}"
 
     def reset(self, prompt_ids):
-        self.cache = DynamicCache()
+        self.cache.start(minimum=len(prompt_ids))
         self.entries = 0  # head-cache entries built from true features (positions 0..entries-1)
         self.feats = None  # [P, d] true target features for positions 0..P-1
         self.tokens: list[int] = []  # committed tokens the features belong to
@@ -98,7 +101,9 @@ class EagleArm(Arm):
     @torch.inference_mode()
     def _step(self, feats: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
         x = torch.tensor([next_tokens], device=self.device)
-        pred = self.head(feats.unsqueeze(0), x, past_key_values=self.cache, use_cache=True)
+        pos = self.cache.positions(len(next_tokens))
+        pred = self.head(feats.unsqueeze(0), x, past_key_values=self.cache.hf, use_cache=True, position_ids=pos)
+        self.cache.advance(len(next_tokens))
         return pred[0, -1]
 
     @torch.inference_mode()
@@ -112,7 +117,7 @@ class EagleArm(Arm):
         # entries must sit on the committed text; a different history (new query) rebuilds them
         if self.tokens[:self.entries + 1] != context[:self.entries + 1]:
             self.entries = 0
-        crop_cache(self.cache, self.entries)
+        self.cache.crop(self.entries)
         f = self._step(self.feats[self.entries:m - 1], context[self.entries + 1:m])
         self.entries = m - 1
         self.tokens = list(context)
@@ -126,7 +131,7 @@ class EagleArm(Arm):
             tok, dist = choose_token(self.head.logits(f).float(), self.sampling, self.generator)
             tokens.append(int(tok))
             dists.append(dist)
-        crop_cache(self.cache, self.entries)  # drop entries built from predicted features
+        self.cache.crop(self.entries)  # drop entries built from predicted features
         return Draft(torch.tensor(tokens), q=torch.stack(dists), hidden=torch.stack(self.draft_hidden))
 
     def calibration_features(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,4 +147,5 @@ def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | N
     head = load_head(path, env.target_model, expect="eagle")
     if env.target is not None:
         env.target.want_hidden = True
-    return EagleArm(head, env.target_model, env.sampling, L, env.generator, label=name, target=env.target)
+    return EagleArm(head, env.target_model, env.sampling, L, env.generator, label=name, target=env.target,
+                    cache=env.cache)

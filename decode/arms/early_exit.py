@@ -30,8 +30,10 @@ class EarlyExitArm(DrafterModelArm):
     uses_target_hidden = True  # H_t^(T) for a Cali-TS calibration predictor
 
     def __init__(self, head: EarlyExitDrafter, sampling: SamplingConfig, L: int = 4,
-                 generator: torch.Generator | None = None, label: str | None = None, target=None):
-        super().__init__(head, sampling, L, generator, label=label or f"early_exit[N={head.n_layers}]@{L}")
+                 generator: torch.Generator | None = None, label: str | None = None, target=None,
+                 cache: str = "dynamic"):
+        super().__init__(head, sampling, L, generator, label=label or f"early_exit[N={head.n_layers}]@{L}",
+                         cache=cache)
         self.target = target
         self.draft_hidden: list[torch.Tensor] = []
         self.target_hidden: torch.Tensor | None = None
@@ -41,11 +43,8 @@ class EarlyExitArm(DrafterModelArm):
         self.draft_hidden = []
         self.target_hidden = None
 
-    @torch.inference_mode()
     def _feed(self, ids: list[int]) -> torch.Tensor:
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(x, past_key_values=self.cache, use_cache=True)
-        self.cache_tokens.extend(ids)
+        out = self._run(ids)
         self.draft_hidden.append(out.hidden_states[-1][0, -1].float())
         return out.logits[0, -1].float()
 
@@ -77,4 +76,4 @@ def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | N
     head = load_head(path, env.target_model, expect="early_exit")
     if env.target is not None:
         env.target.want_hidden = True
-    return EarlyExitArm(head, env.sampling, L, env.generator, label=name, target=env.target)
+    return EarlyExitArm(head, env.sampling, L, env.generator, label=name, target=env.target, cache=env.cache)

@@ -4,20 +4,23 @@ It keeps its own KV cache and the list of tokens in it. Before drafting it rolls
 the longest common prefix with the committed context and feeds whatever it missed (tokens other
 arms produced while it was idle); that catch-up happens inside ``propose`` so it counts as this
 arm's draft time — the switching cost MetaSD describes.
+
+The cache is a ``decode.target.KVCache`` of the run's kind (``ArmEnv.cache``): with "static" it is
+allocated once (prompt + 256 slots, grown by re-allocation when a long generation needs more) and
+rolling back to the common prefix moves a pointer.
 """
 from __future__ import annotations
 
 from typing import Annotated
 
 import torch
-from transformers import DynamicCache
 
 from ..draft import Draft
 from ..errors import UserError
 from ..models import check_vocab_compatible, load_model
 from ..sampling import SamplingConfig, choose_token
 from ..specs import Range
-from ..target import crop_cache
+from ..target import KVCache
 from .base import Arm, ArmEnv, register
 
 
@@ -33,14 +36,16 @@ class DrafterModelArm(Arm):
     name = "drafter"
 
     def __init__(self, model, sampling: SamplingConfig, L: int = 4, generator: torch.Generator | None = None,
-                 label: str | None = None):
+                 label: str | None = None, cache: str = "dynamic"):
         super().__init__(L)
         self.model = model.eval()
         self.sampling = sampling
         self.generator = generator
         self.device = next(model.parameters()).device
         self._label = label
-        self.cache = DynamicCache()
+        # the HF config of the stack that owns the cache (a head module keeps its stack in .model)
+        config = getattr(model, "config", None) or model.model.config
+        self.cache = KVCache.for_model(model, cache, config=config)
         self.cache_tokens: list[int] = []
 
     @property
@@ -48,22 +53,28 @@ class DrafterModelArm(Arm):
         return self._label or f"drafter@{self.L}"
 
     def reset(self, prompt_ids):
-        self.cache = DynamicCache()
+        self.cache.start(minimum=len(prompt_ids))
         self.cache_tokens = []
 
     @torch.inference_mode()
-    def _feed(self, ids: list[int]) -> torch.Tensor:
+    def _run(self, ids: list[int]):
+        """One forward of ``ids`` on top of the cache (explicit positions, pointer advanced)."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True)
+        pos = self.cache.positions(len(ids))
+        out = self.model(input_ids=x, position_ids=pos, past_key_values=self.cache.hf, use_cache=True)
+        self.cache.advance(len(ids))
         self.cache_tokens.extend(ids)
-        return out.logits[0, -1].float()
+        return out
+
+    def _feed(self, ids: list[int]) -> torch.Tensor:
+        return self._run(ids).logits[0, -1].float()
 
     def propose(self, context, max_len, keep_going=None) -> Draft:
         L = min(self.L, max_len)
         if L <= 0:
             return Draft.empty()
         keep = min(_common_prefix(self.cache_tokens, context), len(context) - 1)
-        crop_cache(self.cache, keep)
+        self.cache.crop(keep)
         del self.cache_tokens[keep:]
         logits = self._feed(context[keep:])  # catch-up + first draft position in one forward
         tokens, dists = [], []
@@ -81,10 +92,13 @@ class DrafterModelArm(Arm):
 @register("drafter")
 def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None):
     try:
-        model, tok = load_model(path, trust_remote_code=env.trust_remote_code)
+        weight = env.target_model.get_output_embeddings().weight  # the drafter lives where the target does
+        model, tok = load_model(path, device=weight.device, dtype=weight.dtype,
+                                trust_remote_code=env.trust_remote_code)
     except UserError as exc:
         raise UserError(f"arm drafter:path={path}: {exc}") from None
     check_vocab_compatible(env.target_tokenizer, tok, target_name=env.target_name, drafter_name=path,
                            target_vocab_size=env.target_model.get_output_embeddings().weight.shape[0],
                            drafter_vocab_size=model.get_output_embeddings().weight.shape[0])
-    return DrafterModelArm(model, env.sampling, L, env.generator, label=name or f"drafter[{path}]@{L}")
+    return DrafterModelArm(model, env.sampling, L, env.generator, label=name or f"drafter[{path}]@{L}",
+                           cache=env.cache)

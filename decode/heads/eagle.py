@@ -84,13 +84,13 @@ class EagleHead(nn.Module):
         return cls(target, init=meta.get("init", "identity"))
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, past_key_values=None,
-                attention_mask=None, use_cache: bool = False) -> torch.Tensor:
+                attention_mask=None, use_cache: bool = False, position_ids=None) -> torch.Tensor:
         """features [B, T, d] (f_0..f_{T-1}), next_tokens [B, T] (x_1..x_T) → predicted f_1..f_T."""
         with torch.no_grad():
             e = self.embed(next_tokens)
         x = self.fc(torch.cat([e.to(features.dtype), features], dim=-1))
         out = self.model(inputs_embeds=x, attention_mask=attention_mask, past_key_values=past_key_values,
-                         use_cache=use_cache)
+                         use_cache=use_cache, position_ids=position_ids)
         return out.last_hidden_state
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:

@@ -78,11 +78,11 @@ class EarlyExitDrafter(nn.Module):
 
     # -- compute ----------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, past_key_values=None, attention_mask=None, use_cache: bool = False,
-                **_) -> CausalLMOutputWithPast:
+                position_ids=None, **_) -> CausalLMOutputWithPast:
         """Causal-LM output: ``logits`` [B, T, V] and ``hidden_states = (post-norm exit states,)``
         (the shape generic tools such as held-out agreement expect of a drafter)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
-                         use_cache=use_cache)
+                         use_cache=use_cache, position_ids=position_ids)
         h = out.last_hidden_state
         return CausalLMOutputWithPast(logits=self.lm_head(h), hidden_states=(h,),
                                       past_key_values=out.past_key_values)
