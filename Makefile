@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m decode eval --arms "pld:L=4;suffix:L=6;none" --policies "ucbspec;exp3spec" \
-		--max-new-tokens 64 --out runs/demo/report.json
+		--max-new-tokens 64 --fresh --out runs/demo/report.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
@@ -30,8 +30,11 @@ clean-venv:
 	rm -rf .venv
 
 # Self-drafting heads (recipes/heads/*.yaml): make train-eagle TASK=math [MAX_STEPS=n] [ARGS="key=value ..."]
+# Every training and distill target also takes DEVICE=auto|cpu|cuda[:N] and DTYPE=auto|float32|bfloat16|float16
+# (recipe fields train.device/train.dtype, or device/dtype for distill; unset = the recipe's, auto by default).
 TASK ?= math
-HEAD_OVERRIDES = $(if $(MAX_STEPS),train.max_steps=$(MAX_STEPS)) $(ARGS)
+TRAIN_PLACEMENT = $(if $(DEVICE),train.device=$(DEVICE)) $(if $(DTYPE),train.dtype=$(DTYPE))
+HEAD_OVERRIDES = $(if $(MAX_STEPS),train.max_steps=$(MAX_STEPS)) $(TRAIN_PLACEMENT) $(ARGS)
 .PHONY: train-eagle train-early-exit train-calibrator
 
 train-eagle: $(STAMP)
@@ -51,12 +54,13 @@ DEEPSPEED ?= .venv/bin/deepspeed
 .PHONY: train-drafter
 
 train-drafter: $(STAMP)
-	@$(PY) scripts/train_drafter.py --check --recipe $(DRAFTER_RECIPE) --task $(TASK) $(ARGS)
+	@$(PY) scripts/train_drafter.py --check --recipe $(DRAFTER_RECIPE) --task $(TASK) $(TRAIN_PLACEMENT) $(ARGS)
 	$(DEEPSPEED) scripts/train_drafter.py --recipe $(DRAFTER_RECIPE) --task $(TASK) \
-		$(if $(MAX_STEPS),train.max_steps=$(MAX_STEPS)) $(ARGS)
+		$(if $(MAX_STEPS),train.max_steps=$(MAX_STEPS)) $(TRAIN_PLACEMENT) $(ARGS)
 
 # Self-distillation: the target answers a task's prompts (recipes/tasks/<TASK>.yaml) → runs/distill/<TASK>/.
-# make distill TASK=math [TARGET=smollm2-135m-instruct] [N=64] [ARGS="generation.batch_size=16 ..."]
+# make distill TASK=math [TARGET=smollm2-135m-instruct] [N=64] [DEVICE=cuda] [DTYPE=bfloat16] [ARGS="generation.batch_size=16 ..."]
 .PHONY: distill
 distill: $(STAMP)
-	$(PY) -m toolkit distill --task $(TASK) $(if $(TARGET),target=$(TARGET)) $(if $(N),num_prompts=$(N)) $(ARGS)
+	$(PY) -m toolkit distill --task $(TASK) $(if $(TARGET),target=$(TARGET)) $(if $(N),num_prompts=$(N)) \
+		$(if $(DEVICE),device=$(DEVICE)) $(if $(DTYPE),dtype=$(DTYPE)) $(ARGS)

@@ -97,11 +97,21 @@ def resolve_path(spec: str) -> str:
                     f"not an existing folder, not a hub id of the form org/name")
 
 
-def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               trust_remote_code: bool = False):
-    """Load (model, tokenizer) for a spec; the model is in eval mode."""
+def load_model(spec: str, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               trust_remote_code: bool = False, flags: tuple[str, str] = ("--device", "--dtype")):
+    """Load (model, tokenizer) for a spec; the model is in eval mode.
+
+    ``device`` is ``auto|cpu|cuda[:N]`` or a ``torch.device``; ``dtype`` is ``auto|float32|bfloat16|float16``
+    or a ``torch.dtype`` (:mod:`decode.device`: ``auto`` = CUDA + bfloat16 when a GPU is visible, else CPU +
+    float32). The defaults (CPU, float32) keep existing callers unchanged. Both are checked before anything
+    loads; ``flags`` names them in errors (a recipe passes e.g. ``("train.device", "train.dtype")``).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .device import resolve_device, resolve_dtype
+
+    device = resolve_device(device, flag=flags[0])
+    dtype = resolve_dtype(dtype, device, flag=flags[1])
     path = resolve_path(spec)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -4,7 +4,8 @@ Same prompts (GSM8K train, chat template), greedy, interleaved A/B per batch siz
 same machine load. Tokens are counted up to and including EOS. Also reports whether every greedy
 row equals plain ``generate``'s row.
 
-    .venv/bin/python scripts/bench_distill.py --batch-sizes 1 8 32 --max-new-tokens 128 [--threads 1]
+    .venv/bin/python scripts/bench_distill.py --batch-sizes 1 8 32 --max-new-tokens 128 [--threads 1] \
+        [--device auto|cpu|cuda[:N]] [--dtype auto|float32|bfloat16|float16]
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import time
 
 import torch
 
+from decode.device import DEVICES, DTYPES, dtype_name, synchronize
+from decode.errors import run_user_command
 from decode.io import atomic_write_json
 from decode.models import DEFAULT_TARGET, load_model
 from decode.sampling import SamplingConfig
@@ -22,17 +25,24 @@ from toolkit.data.templates import Template
 from toolkit.distill import eos_ids_of, generate_batch
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--device", default="auto", help=f"{DEVICES} (auto: CUDA when a GPU is visible, else CPU)")
+    ap.add_argument("--dtype", default="auto", help=f"auto|{'|'.join(DTYPES)} (auto: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    return run_user_command(bench, args)
+
+
+def bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = load_model(args.target)
+    model, tok = load_model(args.target, device=args.device, dtype=args.dtype)
+    device = model.device
     prompts = [Template().render(tok, p.text)[1] for p in iter_source(GSM8KSource(limit=max(args.batch_sizes)))]
     eos = eos_ids_of(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -51,6 +61,7 @@ def main() -> None:
         for i, p in enumerate(batch):
             ids[i, w - len(p):] = torch.tensor(p)
             mask[i, w - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False,
                              pad_token_id=pad)
         return [upto_eos(out[i, w:].tolist()) for i in range(len(batch))]
@@ -60,13 +71,15 @@ def main() -> None:
                                               max_new_tokens=args.max_new_tokens, eos_ids=eos, pad_id=pad)]
 
     results = {"target": args.target, "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
-               "runs": []}
+               "device": str(device), "dtype": dtype_name(model.dtype), "runs": []}
     for bs in args.batch_sizes:
         batch = prompts[:bs]
         row = {"batch_size": bs}
         for name, fn in (("plain_generate", plain), ("distill", ours)):
+            synchronize(device)
             t0 = time.perf_counter()
             outs = fn(batch)
+            synchronize(device)
             dt = time.perf_counter() - t0
             n = sum(len(o) for o in outs)
             row[name] = {"tokens": n, "seconds": round(dt, 2), "tokens_per_s": round(n / dt, 2)}
@@ -76,7 +89,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     if args.out:
         atomic_write_json(args.out, results, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import typing
 from typing import Literal, Union
 
 import pytest
@@ -150,3 +151,32 @@ def test_scientific_notation_is_a_number_although_yaml_1_1_reads_it_as_text(tmp_
     with pytest.raises(UserError, match="opt.lr"):
         load_recipe(Toy, p, ["opt.lr=fast"])
     assert load_recipe(Toy, p, ["name=1e-3"]).name == "1e-3"  # a str field keeps the text
+
+
+def test_device_and_dtype_field_helpers_match_decode_device():
+    import typing
+
+    from decode.device import DEVICES, DTYPES
+    from toolkit.config import DEVICE_CHOICES, DTypeName, check_device_spec
+
+    assert typing.get_args(DTypeName) == ("auto", *DTYPES) and DEVICE_CHOICES == DEVICES
+    for ok in ("auto", "cpu", "cuda", "cuda:0", "CUDA:3", " cpu "):
+        check_device_spec(ok, "device")
+    for bad in ("gpu", "cuda:", "cuda:x", "cpu:0", "", 3):
+        with pytest.raises(UserError, match=r"^train.device must be auto\|cpu\|cuda\[:N\]"):
+            check_device_spec(bad, "train.device")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Moved:
+    name: str = "n"
+    opt: Opt = field(default_factory=Opt)
+    renamed_fields: typing.ClassVar[dict[str, str]] = {"precision": "opt.dtype"}
+
+
+def test_a_renamed_field_names_its_new_place_in_recipes_and_overrides():
+    with pytest.raises(UserError, match="field 'precision' is now 'opt.dtype'"):
+        from_dict(Moved, {"precision": "bf16"})
+    with pytest.raises(UserError, match="override 'precision=bf16': field 'precision' is now 'opt.dtype'"):
+        apply_overrides(Moved, Moved(), ["precision=bf16"])
+    assert to_dict(Moved()) == {"name": "n", "opt": to_dict(Opt())}  # a class attribute, not a field

@@ -409,3 +409,75 @@ def test_real_target_greedy_rows_equal_plain_generate(tmp_path, smol):
                              pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
         assert row["response_ids"] == ref
         assert row["response"] == tok.decode(ref[:-1] if row["finish_reason"] == "stop" else ref)
+
+
+# ----------------------------------------------------------------------------- device and dtype
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+
+
+def test_device_and_dtype_fields_default_auto_and_fail_at_load_naming_the_field(capsys):
+    r = load_distill_recipe(task="math")
+    assert (r.device, r.dtype) == ("auto", "auto")
+    r = load_distill_recipe(task="math", overrides=["device=cuda:1", "dtype=bfloat16"])  # spelling only at load
+    assert (r.device, r.dtype) == ("cuda:1", "bfloat16")
+    with pytest.raises(UserError, match=r"device must be auto\|cpu\|cuda\[:N\], got 'gpu'"):
+        load_distill_recipe(task="math", overrides=["device=gpu"])
+    with pytest.raises(UserError, match="'dtype' must be one of 'auto', 'float32', 'bfloat16', 'float16', got 'bf16'"):
+        load_distill_recipe(task="math", overrides=["dtype=bf16"])
+    with pytest.raises(UserError, match=r"'generation.dtype' is now 'dtype \(top level\)'"):
+        load_distill_recipe(task="math", overrides=["generation.dtype=float32"])
+    assert toolkit_main(["distill", "--task", "math", "device=tpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "device must be auto|cpu|cuda[:N], got 'tpu'" in err[0]
+
+
+@NO_CUDA
+def test_cuda_without_a_gpu_is_one_line_before_anything_runs(tmp_path, tiny_target_dir):
+    f = write_jsonl(tmp_path / "p.jsonl", [{"q": "Question?"}])
+    r = tiny_recipe(tmp_path, tiny_target_dir, f, "device=cuda")
+    with pytest.raises(UserError, match="device=cuda: no CUDA device is visible.*use device=cpu or device=auto"):
+        distill(r, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_distill_loads_the_target_in_the_recipe_dtype_and_records_it(tmp_path, tiny_target_dir):
+    """bfloat16 on the CPU: the target loads in bf16, rows are written, the manifest says so; the same
+    command in float32 is a different run (the dtype changes the rows), a change of device is not."""
+    from decode.models import load_model
+    from helpers import plain_greedy
+
+    f = write_jsonl(tmp_path / "p.jsonl", [{"q": f"Question number {i}?"} for i in range(3)])
+    r = tiny_recipe(tmp_path, tiny_target_dir, f, "device=cpu", "dtype=bfloat16")
+    m = distill(r, progress=False)
+    assert m["status"] == "complete" and m["counts"]["rows"] == 6
+    assert (m["target"]["device"], m["target"]["dtype"]) == ("cpu", "bfloat16")
+    bf16, _ = load_model(tiny_target_dir, device="cpu", dtype="bfloat16")
+    assert bf16.dtype == torch.bfloat16
+    for row in load_rows(tmp_path / "out"):
+        if row["temperature"] == 0.0:
+            assert row["response_ids"] == plain_greedy(bf16, row["prompt_ids"], 6)
+    with pytest.raises(UserError, match="changed: dtype"):
+        distill(tiny_recipe(tmp_path, tiny_target_dir, f, "dtype=float32"), progress=False)
+    auto = tiny_recipe(tmp_path, tiny_target_dir, f, "device=auto", "dtype=bfloat16")  # same dtype: same run
+    assert distill(auto, progress=False)["time"]["this_session_generated_tokens"] == 0
+
+
+@CUDA
+def test_distill_on_cuda_writes_the_cpu_greedy_rows_in_float32(tmp_path, tiny_target_dir):
+    f = write_jsonl(tmp_path / "p.jsonl", [{"q": f"Question number {i}?"} for i in range(5)])
+    rows = {}
+    for dev in ("cpu", "cuda"):
+        r = load_distill_recipe(task="math", overrides=[
+            f"target={tiny_target_dir}", f"sources=[{{type: jsonl, path: '{f}', field: q}}]", "num_prompts=null",
+            "generation.temperatures=[0.0, 1.0]", "generation.max_new_tokens=12", "generation.batch_size=2",
+            "shard_size=4", f"out={tmp_path / dev}", f"device={dev}", "dtype=float32"])
+        m = distill(r, progress=False)
+        assert m["target"]["device"].startswith(dev) and m["target"]["dtype"] == "float32"
+        rows[dev] = load_rows(tmp_path / dev)
+    greedy = {d: [(x["id"], x["response_ids"]) for x in rs if x["temperature"] == 0.0] for d, rs in rows.items()}
+    assert greedy["cpu"] == greedy["cuda"] and len(greedy["cpu"]) == 5
+    assert all(len(x["response_ids"]) == 12 for x in rows["cuda"])  # sampled rows drew on the device too
+    r = tiny_recipe(tmp_path, tiny_target_dir, f, "device=cuda", "dtype=auto", f"out={tmp_path / 'bf16'}")
+    assert distill(r, progress=False)["target"]["dtype"] == "bfloat16"  # auto on a GPU

@@ -29,8 +29,8 @@ def _perturb(module, scale=0.5, seed=0):
             p.add_(scale * torch.randn(p.shape, generator=g) * p.abs().mean())
 
 
-def _generate(model, arms, prompt, n, policy="fixed:arm=0"):
-    target = Target(model, want_hidden=True)
+def _generate(model, arms, prompt, n, policy="fixed:arm=0", cache="dynamic"):
+    target = Target(model, want_hidden=True, cache=cache)
     for a in arms:
         if hasattr(a, "target"):
             a.target = target
@@ -51,30 +51,34 @@ def test_early_exit_full_depth_copy_accepts_everything(family):
         assert all(r.accepted == r.drafted == 4 for r in gen.rounds[:-1])
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("family", ["llama", "qwen"])
 @pytest.mark.parametrize("n_layers", [1, 2])
-def test_early_exit_greedy_lossless_with_rejections(family, n_layers):
+def test_early_exit_greedy_lossless_with_rejections(family, n_layers, cache):
     model = FAMILIES[family](layers=3, seed=1)
     head = EarlyExitDrafter(model, n_layers=n_layers)
     _perturb(head, 0.3)
-    arm = EarlyExitArm(head, GREEDY, L=5)
+    arm = EarlyExitArm(head, GREEDY, L=5, cache=cache)
     rounds = []
     for prompt in PROMPTS:
-        gen = _generate(model, [arm, build_arm("pld:L=3", ArmEnv(model, None, GREEDY))], prompt, 40, "random")
+        gen = _generate(model, [arm, build_arm("pld:L=3", ArmEnv(model, None, GREEDY))], prompt, 40, "random",
+                        cache=cache)
         assert gen.tokens == plain_greedy(model, prompt, 40)
         rounds += [r for r in gen.rounds if r.arm == 0]
     assert any(r.accepted < r.drafted for r in rounds)  # rejections happened and were rolled back
     assert any(r.accepted > 0 for r in rounds)
 
 
-def test_early_exit_rolled_back_cache_equals_fresh_draft():
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_early_exit_rolled_back_cache_equals_fresh_draft(cache):
     """After rejected rounds (and rounds played by another arm), a draft from the kept cache must
     equal a draft computed from scratch on the committed context."""
     model = tiny_llama(layers=4, seed=3)
     head = EarlyExitDrafter(model, n_layers=1)
     _perturb(head, 0.3, seed=1)
-    arm = EarlyExitArm(head, GREEDY, L=4)
-    gen = _generate(model, [arm, build_arm("pld:L=2", ArmEnv(model, None, GREEDY))], PROMPTS[0], 25, "random")
+    arm = EarlyExitArm(head, GREEDY, L=4, cache=cache)
+    gen = _generate(model, [arm, build_arm("pld:L=2", ArmEnv(model, None, GREEDY))], PROMPTS[0], 25, "random",
+                    cache=cache)
     ctx = PROMPTS[0] + gen.tokens
     fresh = EarlyExitArm(head, GREEDY, L=4)
     fresh.reset(ctx)
@@ -97,21 +101,24 @@ def test_early_exit_defaults_and_trainable_split():
         EarlyExitDrafter(model, n_layers=20)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("family", ["llama", "qwen"])
-def test_eagle_greedy_lossless(family):
+def test_eagle_greedy_lossless(family, cache):
     model = FAMILIES[family](layers=2, seed=1)
     head = EagleHead(model)
-    arm = EagleArm(head, model, GREEDY, L=4)
+    arm = EagleArm(head, model, GREEDY, L=4, cache=cache)
     for prompt in PROMPTS[1:]:
         gen = _generate(model, [arm, build_arm("suffix:L=3,min_match=1", ArmEnv(model, None, GREEDY))],
-                        prompt, 30, "random")
+                        prompt, 30, "random", cache=cache)
         assert gen.tokens == plain_greedy(model, prompt, 30)
 
 
-def test_eagle_features_are_the_targets_and_head_cache_is_true_only():
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_eagle_features_are_the_targets_and_head_cache_is_true_only(cache):
     model = tiny_llama(layers=2, seed=4)
-    arm = EagleArm(EagleHead(model), model, GREEDY, L=3)
-    gen = _generate(model, [arm, build_arm("pld:L=2", ArmEnv(model, None, GREEDY))], PROMPTS[0], 20, "random")
+    arm = EagleArm(EagleHead(model), model, GREEDY, L=3, cache=cache)
+    gen = _generate(model, [arm, build_arm("pld:L=2", ArmEnv(model, None, GREEDY))], PROMPTS[0], 20, "random",
+                    cache=cache)
     ctx = PROMPTS[0] + gen.tokens
     with torch.no_grad():
         ref = model(torch.tensor([ctx]), output_hidden_states=True).hidden_states[-1][0]
@@ -276,3 +283,57 @@ def test_head_recipes_fail_fast_on_bad_fields(tiny_distilled):
     assert early_exit.main(common + ["open_text.fraction=1.5"]) == 2
     assert early_exit.main(common + ["head.n_layer=2"]) == 2
     assert early_exit.main([f"target={tiny}", f"data.root={d}/nowhere"]) == 2
+
+
+# --------------------------------------------------------------------------- device and dtype
+
+def test_heads_train_in_bfloat16_on_cpu(tiny_distilled):
+    """train.dtype=bfloat16 on the CPU: every head trains under autocast with float32 master weights (the
+    frozen target stays float32), records the resolved dtype, and saves float32 weights."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from toolkit.train import calibrator, eagle, early_exit
+
+    d, tiny, common = tiny_distilled
+    bf16 = common + ["train.device=cpu", "train.dtype=bfloat16", "train.max_steps=2"]
+    assert early_exit.main(bf16 + [f"out_dir={d}/ee16", "head.n_layers=1", "open_text.fraction=0.3"]) == 0
+    assert eagle.main(bf16 + [f"out_dir={d}/eagle16"]) == 0
+    assert calibrator.main(bf16 + [f"out_dir={d}/cal16", f"collect.drafter={d}/ee16", "collect.prompts=6",
+                                   "collect.max_new_tokens=8", "collect.heldout_fraction=0.5", "collect.L=3"]) == 0
+    for name in ("ee16", "eagle16", "cal16"):
+        run = json.loads((d / name / "run.json").read_text())
+        assert run["train"]["dtype"] == "bfloat16" and "device" not in run["train"], name
+        assert all(v.dtype == torch.float32 for v in load_file(str(d / name / "head.safetensors")).values()), name
+    assert 0 <= json.loads((d / "ee16" / "eval.json").read_text())["heldout"]["agreement"] <= 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors on a machine without a GPU")
+def test_head_recipes_reject_a_device_or_dtype_this_machine_lacks(tiny_distilled, capsys):
+    from toolkit.train import eagle
+
+    d, tiny, common = tiny_distilled
+    for item, needle in (("train.device=cuda", "train.device=cuda: no CUDA device is visible"),
+                         ("train.dtype=float16", "train.dtype=float16 needs a CUDA device"),
+                         ("train.device=gpu", "train.device must be auto|cpu|cuda[:N]")):
+        assert eagle.main(common + [f"out_dir={d}/never", item]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], item
+    assert not (d / "never").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_heads_train_on_cuda(tiny_distilled):
+    import json
+
+    from toolkit.train import calibrator, early_exit
+
+    d, tiny, common = tiny_distilled
+    gpu = common + ["train.device=cuda", "train.dtype=auto", "train.max_steps=2"]
+    assert early_exit.main(gpu + [f"out_dir={d}/ee_cuda", "head.n_layers=1"]) == 0
+    assert calibrator.main(gpu + [f"out_dir={d}/cal_cuda", f"collect.drafter={d}/ee_cuda", "collect.prompts=6",
+                                  "collect.max_new_tokens=8", "collect.heldout_fraction=0.5", "collect.L=3"]) == 0
+    dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    assert json.loads((d / "ee_cuda" / "run.json").read_text())["train"]["dtype"] == dtype
+    assert json.loads((d / "cal_cuda" / "eval.json").read_text())["heldout"]["rows"] > 0

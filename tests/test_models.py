@@ -62,3 +62,36 @@ def test_real_target_greedy_lossless(smol):
             gen = eng.generate(ids, build_policy(pol, 4, 6), 24)
             assert gen.tokens == ref, (p.id, pol)
         assert torch.is_tensor(model.lm_head.weight)
+
+
+def test_load_model_device_and_dtype_strings(tiny_target_dir):
+    model, _ = load_model(tiny_target_dir)  # existing callers: CPU, float32
+    assert model.device.type == "cpu" and model.dtype == torch.float32
+    model, _ = load_model(tiny_target_dir, device="cpu", dtype="bfloat16")
+    assert model.dtype == torch.bfloat16
+    model, _ = load_model(tiny_target_dir, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    model, _ = load_model(tiny_target_dir, device="auto", dtype="auto")
+    cuda = torch.cuda.is_available()
+    assert model.device.type == ("cuda" if cuda else "cpu")
+    assert model.dtype == (torch.bfloat16 if cuda else torch.float32)
+    with pytest.raises(UserError, match=r"--dtype must be auto\|float32\|bfloat16\|float16, got 'fp8'"):
+        load_model(tiny_target_dir, dtype="fp8")
+    with pytest.raises(UserError, match=r"--device must be auto\|cpu\|cuda\[:N\], got 'tpu'"):
+        load_model(tiny_target_dir, device="tpu")
+    with pytest.raises(UserError, match=r"^train.dtype must be"):  # callers name their own field
+        load_model(tiny_target_dir, dtype="half", flags=("train.device", "train.dtype"))
+    if not cuda:
+        with pytest.raises(UserError, match="no CUDA device is visible"):
+            load_model(tiny_target_dir, device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_load_model_on_cuda_same_greedy_tokens_in_float32(tiny_target_dir):
+    cpu, _ = load_model(tiny_target_dir)
+    gpu, _ = load_model(tiny_target_dir, device="cuda", dtype="float32")
+    assert gpu.device.type == "cuda" and gpu.dtype == torch.float32
+    assert load_model(tiny_target_dir, device="cuda:0", dtype="auto")[0].dtype == torch.bfloat16
+    prompt = [5, 9, 13, 17, 21]
+    out = gpu.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert out[0, len(prompt):].tolist() == plain_greedy(cpu, prompt, 16)

@@ -127,6 +127,9 @@ def test_shipped_recipes_parse():
     (["train.lr=fast"], "'train.lr' must be a number"),
     (["data.root=/nonexistent/distill"], "make distill TASK=math"),
     (["model.init_layers=[0]"], "model.init_layers copies target layers"),
+    (["train.device=gpu"], "train.device must be auto|cpu|cuda[:N], got 'gpu'"),
+    (["train.dtype=bf16"], "'train.dtype' must be one of 'auto', 'float32', 'bfloat16', 'float16'"),
+    (["train.precision=bf16"], "'train.precision' is now 'train.dtype (auto|float32|bfloat16|float16)'"),
 ])
 def test_bad_recipe_fails_fast_with_the_field(tmp_path, tiny_target_dir, distilled, capsys, overrides, needle):
     from toolkit.train.drafter import main
@@ -365,3 +368,99 @@ def test_deepspeed_launcher_zero2_resume_and_plain_python_zero3(tmp_path, tiny_t
     stage2 = load_model(str(out / "export"))[0]
     assert z3.config.hidden_size == 32 and all(torch.isfinite(p).all() for p in z3.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(z3.state_dict().values(), stage2.state_dict().values()))
+
+
+# --------------------------------------------------------------------------- device and dtype
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+
+
+def test_placement_resolves_auto_and_the_fingerprint_keeps_dtype_not_device():
+    from toolkit.train.runtime import Placement, TrainSection, placement, train_fingerprint
+
+    cuda = torch.cuda.is_available()
+    auto = placement(TrainSection())
+    assert auto.device.type == ("cuda" if cuda else "cpu")
+    assert auto.dtype == (torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32)
+    assert placement(TrainSection(device="cpu", dtype="bfloat16"), deepspeed=False) == Placement(
+        torch.device("cpu"), torch.bfloat16)
+    cpu32 = Placement(torch.device("cpu"), torch.float32)
+    a, b = train_fingerprint(TrainSection(device="cpu"), cpu32), train_fingerprint(TrainSection(), cpu32)
+    assert a == b and "device" not in a and a["dtype"] == "float32"  # resolved: auto is per machine
+    assert train_fingerprint(TrainSection(), Placement(torch.device("cpu"), torch.bfloat16))["dtype"] == "bfloat16"
+
+
+@NO_CUDA
+@pytest.mark.parametrize("overrides, needle", [
+    (["train.device=cuda"], "train.device=cuda: no CUDA device is visible to PyTorch"),
+    (["train.device=cuda:1"], "train.device=cuda:1: no CUDA device is visible to PyTorch"),
+    (["train.dtype=float16"], "train.dtype=float16 needs a CUDA device"),
+])
+def test_a_device_or_dtype_this_machine_lacks_is_one_line(tmp_path, tiny_target_dir, distilled, capsys,
+                                                         overrides, needle):
+    from toolkit.train.drafter import main
+
+    rec = _recipe(tmp_path, tiny_target_dir, distilled)
+    assert main(["--recipe", str(rec), "--task", "math", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+    assert not (tmp_path / "runs" / "tiny" / "math").exists()  # nothing loaded, nothing written
+
+
+def test_launch_check_catches_device_and_dtype_before_deepspeed(tmp_path, tiny_target_dir, distilled):
+    """`make train-drafter` runs `--check` first: a misspelt or impossible device is one line, not a launcher log."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_drafter_script", REPO / "scripts" / "train_drafter.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rec = _recipe(tmp_path, tiny_target_dir, distilled)
+    cases = [("train.device=gpu", "train.device must be auto|cpu|cuda[:N], got 'gpu'"),
+             ("train.dtype=half", "train.dtype must be auto|float32|bfloat16|float16, got 'half'"),
+             ("train.precision=bf16", "train.precision is now train.dtype")]
+    if not torch.cuda.is_available():
+        cases += [("train.device=cuda", "train.device=cuda: no CUDA device is visible"),
+                  ("train.dtype=float16", "train.dtype=float16 needs a CUDA device")]
+    base = ["--recipe", str(rec), "--task", "math"]
+    for item, needle in cases:
+        with pytest.raises(UserError) as e:
+            script.check_task([*base, item])
+        assert needle in str(e.value) and "\n" not in str(e.value), item
+    assert script.check_task([*base, "train.device=cpu", "train.dtype=bfloat16"]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "scripts/train_drafter.py", "--check", *base, "train.device=gpu"], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=120)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: train.device"), r.stdout + r.stderr
+
+
+def test_bfloat16_training_step_on_cpu_exports_a_float32_drafter(tmp_path, tiny_target_dir, distilled):
+    """train.dtype=bfloat16 on the CPU: autocast compute, float32 master weights, KD against the frozen target."""
+    from decode.models import load_model
+    from toolkit.config import load_recipe
+    from toolkit.train.drafter import DrafterRecipe, train_drafter
+
+    rec = _recipe(tmp_path, tiny_target_dir, distilled, train={"max_steps": 2, "save_steps": 10},
+                  kd={"weight": 0.5})
+    export = train_drafter(load_recipe(DrafterRecipe, rec, ["train.device=cpu", "train.dtype=bfloat16"]), "math")
+    run = json.loads((tmp_path / "runs" / "tiny" / "math" / "run.json").read_text())
+    assert run["train"]["dtype"] == "bfloat16" and "device" not in run["train"]
+    losses = _losses(tmp_path / "runs" / "tiny" / "math" / "checkpoints" / "checkpoint-2")
+    assert sorted(losses) == [1, 2] and all(v == v and v < 1e3 for v in losses.values())
+    assert json.loads((export / "eval.json").read_text())["positions"] > 0
+    drafter, _ = load_model(str(export))
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in drafter.parameters())
+
+
+@CUDA
+def test_drafter_trains_on_cuda_in_bfloat16(tmp_path, tiny_target_dir, distilled):
+    from toolkit.config import load_recipe
+    from toolkit.train.drafter import DrafterRecipe, train_drafter
+
+    rec = _recipe(tmp_path, tiny_target_dir, distilled, train={"max_steps": 2, "save_steps": 10},
+                  kd={"weight": 0.5})
+    export = train_drafter(load_recipe(DrafterRecipe, rec, ["train.device=cuda", "train.dtype=auto"]), "math")
+    run = json.loads((tmp_path / "runs" / "tiny" / "math" / "run.json").read_text())
+    assert run["train"]["dtype"] == ("bfloat16" if torch.cuda.is_bf16_supported() else "float32")
+    assert json.loads((export / "eval.json").read_text())["positions"] > 0

@@ -11,6 +11,14 @@ carry a ``type: Literal["name"]`` discriminator field (e.g. prompt sources).
 
 Overrides: ``generation.max_new_tokens=64``, ``sources.0.path=data.jsonl`` (list index), values
 parsed as YAML (``temperatures=[0,0.7]``, ``limit=null``); a ``str`` field keeps the literal text.
+
+A schema may declare ``renamed_fields: ClassVar[dict[str, str]]`` (old name → where it lives now), so a
+recipe or override that uses a moved field gets one line naming the new place instead of "unknown field".
+
+Device and dtype fields (every recipe that runs a model): ``device: str`` checked with
+:func:`check_device_spec` and ``dtype: DTypeName``; they are resolved on the machine that runs the job by
+:mod:`decode.device` (``auto`` = CUDA + bfloat16 when a GPU is visible, else CPU + float32). Only the
+spelling is checked at load, so a recipe naming ``cuda`` still prints on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -28,6 +36,9 @@ import yaml
 from decode.errors import UserError
 
 T = TypeVar("T")
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]  # = "auto" + decode.device.DTYPES (tested)
+DEVICE_CHOICES = "auto|cpu|cuda[:N]"  # = decode.device.DEVICES
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 TASK_RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "tasks"
 _SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 DISCRIMINATOR = "type"
@@ -101,6 +112,31 @@ def _discriminated(tp) -> dict[str, type] | None:
         for v in typing.get_args(lit):
             table[v] = m
     return table
+
+
+def check_device_spec(value: str, field: str) -> None:
+    """Spelling of a device field (``auto|cpu|cuda[:N]``); whether the GPU exists is checked when the job
+    starts (:func:`decode.device.resolve_device`). No torch import: launch-time checks stay fast."""
+    if not isinstance(value, str) or not _DEVICE_RE.fullmatch(value.strip().lower()):
+        raise UserError(f"{field} must be {DEVICE_CHOICES}, got {value!r}")
+
+
+def resolve_device_field(value: str, field: str):
+    """:func:`decode.device.resolve_device` for a recipe field, its errors phrased as overrides
+    (``device=cuda: no CUDA device ...; use device=cpu or device=auto``)."""
+    import torch
+
+    from decode.device import resolve_device
+
+    spec = value.strip().lower()
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"{field}={value}: no CUDA device is visible to PyTorch (is this the CUDA build of torch?); "
+                        f"use {field}=cpu or {field}=auto")
+    return resolve_device(spec, flag=field)
+
+
+def _renamed(cls, key) -> str | None:
+    return (getattr(cls, "renamed_fields", None) or {}).get(key)
 
 
 # --------------------------------------------------------------------------- validation
@@ -192,6 +228,9 @@ def _build(cls, data, path: tuple, ctx: _Ctx):
     for key in data:
         if key not in fields:
             where = _fmt_path(path + (key,))
+            if _renamed(cls, key):
+                raise UserError(f"{ctx.origin}: field '{where}' is now '{_renamed(cls, key)}'; rename it "
+                                f"in the recipe or the override")
             raise UserError(f"{ctx.origin}: unknown field '{where}'; {_suggest(str(key), fields)}"
                             f"valid fields here: {', '.join(fields)}")
     kwargs = {}
@@ -284,6 +323,9 @@ def _set(schema, data: dict, parts: list, value, raw: str, item: str) -> None:
             tp = table.get(node.get(DISCRIMINATOR) if isinstance(node, Mapping) else None, tp)
         if dataclasses.is_dataclass(tp):
             fields = _fields(tp)
+            if isinstance(part, str) and part not in fields and _renamed(tp, part):
+                raise UserError(f"override '{item}': field '{_fmt_path(path + (part,))}' is now "
+                                f"'{_renamed(tp, part)}'")
             if not isinstance(part, str) or part not in fields:
                 raise UserError(f"override '{item}': unknown field '{_fmt_path(path + (part,))}'; "
                                 f"{_suggest(str(part), fields)}valid fields here: {', '.join(fields)}")

@@ -1,7 +1,10 @@
 """Self-distillation: the target answers task prompts; the answers become drafter training data.
 
 ``python -m toolkit distill --task math [key=value ...]`` (or ``make distill TASK=math``) runs a
-recipe from ``recipes/tasks/``. Each selected prompt is answered once at each temperature.
+recipe from ``recipes/tasks/``. Each selected prompt is answered once at each temperature, by the
+target on ``device`` in ``dtype`` (``device=cuda dtype=bfloat16``; default ``auto``: CUDA + bfloat16 when a
+GPU is visible, else CPU + float32). The resolved dtype is part of the run's identity (a resume in another
+dtype is refused); the device is not (a run may resume on another device).
 
 Output (``out``, default ``runs/distill/<task>``):
 
@@ -27,16 +30,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, ClassVar
 
 import torch
 
+from decode.device import dtype_name, resolve_dtype
 from decode.errors import UserError
 from decode.io import atomic_path, atomic_write_json
 from decode.models import DEFAULT_TARGET
 from decode.sampling import SamplingConfig, choose_token
 
-from .config import dump_yaml, load_recipe, task_recipe, to_dict
+from .config import DTypeName, check_device_spec, dump_yaml, load_recipe, resolve_device_field, task_recipe, to_dict
 from .data.filters import FilterConfig, first_match
 from .data.leakage import DEFAULT_EVAL_FILES, EvalIndex
 from .data.prompts import select_prompts
@@ -58,9 +62,8 @@ class GenerationConfig:
     top_k: int = 0  # 0 = off: sampled rows follow the target's distribution at that temperature
     top_p: float = 1.0
     max_prompt_tokens: int = 1024  # longer prompts are skipped (counted as too_long)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
     threads: int | None = None  # torch CPU threads; null = torch's default (on a busy shared CPU, 1 is often faster)
+    renamed_fields: ClassVar[dict[str, str]] = {"dtype": "dtype (top level)", "device": "device (top level)"}
 
     def __post_init__(self):
         if not self.temperatures:
@@ -89,6 +92,8 @@ class LeakageConfig:
 class DistillRecipe:
     task: str
     target: str = DEFAULT_TARGET
+    device: str = "auto"  # auto | cpu | cuda[:N]; auto = CUDA when a GPU is visible, else CPU
+    dtype: DTypeName = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     sources: list[Source] = field(default_factory=lambda: [GSM8KSource()])
     num_prompts: int | None = 256  # null = every prompt the sources yield
     shuffle: bool = False  # read all sources and take a seeded random subset instead of the first ones
@@ -102,6 +107,7 @@ class DistillRecipe:
     trust_remote_code: bool = False
 
     def __post_init__(self):
+        check_device_spec(self.device, "device")
         if not self.task or not self.task.replace("_", "").replace("-", "").isalnum():
             raise UserError(f"task must be a short name like 'math', got {self.task!r}")
         if self.num_prompts is not None and self.num_prompts < 1:
@@ -183,12 +189,12 @@ def generate_batch(model, prompts: list[list[int]], *, sampling: SamplingConfig 
     for step in range(max_new_tokens):
         row_cfg = [configs[i] for i in active]
         if all(c == row_cfg[0] for c in row_cfg):
-            tok, _ = choose_token(logits, row_cfg[0], generator)
+            tok = _choose(logits, row_cfg[0], generator)
         else:  # one call per distinct config, in first-appearance order (deterministic with a seeded generator)
             tok = torch.empty(len(active), dtype=torch.long, device=logits.device)
             for cfg in dict.fromkeys(row_cfg):
                 rows = torch.tensor([r for r, c in enumerate(row_cfg) if c == cfg], device=logits.device)
-                tok[rows] = choose_token(logits[rows], cfg, generator)[0]
+                tok[rows] = _choose(logits[rows], cfg, generator)
         done = torch.isin(tok, eos) if eos is not None else torch.zeros_like(tok, dtype=torch.bool)
         tok_list, done_list = tok.tolist(), done.tolist()
         for r, i in enumerate(active):
@@ -213,6 +219,15 @@ def generate_batch(model, prompts: list[list[int]], *, sampling: SamplingConfig 
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
     return [Generation(r, f) for r, f in zip(results, finish)]
+
+
+def _choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """:func:`choose_token`'s tokens on the logits' device. Greedy rows pick on the device; sampled rows
+    draw on the CPU, where the per-batch seeded generator lives, so a sampled row depends on the seed and
+    the logits only, not on the device that produced them."""
+    if cfg.greedy or logits.device.type == "cpu":
+        return choose_token(logits, cfg, generator)[0]
+    return choose_token(logits.float().cpu(), cfg, generator)[0].to(logits.device)
 
 
 # --------------------------------------------------------------------------- plan & shards
@@ -272,9 +287,13 @@ def _shard_meta(path: Path) -> dict | None:
         return None
 
 
-def _fingerprint(recipe: DistillRecipe, units: list[Unit], prompt_ids: list[list[int]]) -> str:
+def _fingerprint(recipe: DistillRecipe, units: list[Unit], prompt_ids: list[list[int]], dtype: torch.dtype) -> str:
+    """What the rows depend on: the recipe with the *resolved* dtype (``auto`` differs between machines and
+    changes the numbers), without the device (a run may resume on another device in the same dtype)."""
     d = to_dict(recipe)
     d.pop("out", None)
+    d.pop("device", None)
+    d["dtype"] = dtype_name(dtype)
     d["generation"].pop("threads", None)  # speed only: may change between sessions
     h = hashlib.sha256(json.dumps([FORMAT_VERSION, d], sort_keys=True).encode())
     for u in units:
@@ -302,6 +321,12 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
     t_start = time.time()
     out = recipe.out_dir
     gen = recipe.generation
+    if model is None:  # checked before anything loads: `device=cuda` on a machine without one is one line
+        device = resolve_device_field(recipe.device, "device")
+        dtype = resolve_dtype(recipe.dtype, device, flag="dtype")
+    else:
+        p = next(model.parameters())
+        device, dtype = p.device, p.dtype
     if tokenizer is None:
         tokenizer = _load_tokenizer(recipe)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
@@ -322,7 +347,7 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
     prompt_text = [rendered[p.text][0] for p in prompts]
     prompt_ids = [rendered[p.text][1] for p in prompts]
     units = plan_units(recipe.task, prompts, prompt_ids, gen.temperatures)
-    fp = _fingerprint(recipe, units, prompt_ids)
+    fp = _fingerprint(recipe, units, prompt_ids, dtype)
     n_shards = (len(units) + recipe.shard_size - 1) // recipe.shard_size
 
     manifest_path = out / "manifest.json"
@@ -332,7 +357,10 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
         if old.get("fingerprint") != fp:
             if not overwrite:
                 changed = sorted(k for k in set(old.get("recipe", {})) | set(to_dict(recipe))
-                                 if k != "out" and old.get("recipe", {}).get(k) != to_dict(recipe).get(k))
+                                 if k not in ("out", "device") and old.get("recipe", {}).get(k) != to_dict(recipe).get(k))
+                old_dtype = old.get("target", {}).get("dtype")
+                if old_dtype and old_dtype != dtype_name(dtype) and "dtype" not in changed:
+                    changed.append(f"dtype {old_dtype} → {dtype_name(dtype)} (auto: bfloat16 on CUDA, float32 on CPU)")
                 if old.get("format_version") != FORMAT_VERSION:
                     changed.append(f"written by toolkit format {old.get('format_version')}, now {FORMAT_VERSION}")
                 raise UserError(f"{out} holds a distillation run of a different recipe or prompt set "
@@ -360,7 +388,8 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
         "format_version": FORMAT_VERSION, "task": recipe.task, "fingerprint": fp, "recipe": to_dict(recipe),
         "target": {"spec": recipe.target,
                    "model": type(model).__name__ if model is not None else old.get("target", {}).get("model"),
-                   "tokenizer": getattr(tokenizer, "name_or_path", None)},
+                   "tokenizer": getattr(tokenizer, "name_or_path", None),
+                   "device": str(device), "dtype": dtype_name(dtype)},
         "started_unix": old.get("started_unix", round(t_start, 1)), "sessions": old.get("sessions", 0) + 1,
         "prompts": sel.stats, "shards": n_shards, "planned_rows": len(units), "columns": list(COLUMNS),
     }
@@ -372,7 +401,7 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
         if model is None:
             from decode.models import load_model
 
-            model, _ = load_model(recipe.target, dtype=getattr(torch, gen.dtype), device=gen.device,
+            model, _ = load_model(recipe.target, dtype=dtype, device=device,
                                   trust_remote_code=recipe.trust_remote_code)
             base["target"]["model"] = type(model).__name__
         limit = getattr(model.config, "max_position_embeddings", None)
@@ -525,7 +554,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--task", help="shorthand for recipes/tasks/<task>.yaml (math, code, chat, summarization, "
                                   "translation, qa)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="recipe overrides, dotted keys: num_prompts=64 generation.batch_size=16 target=...")
+                        help="recipe overrides, dotted keys: num_prompts=64 generation.batch_size=16 target=... "
+                             "device=auto|cpu|cuda[:N] dtype=auto|float32|bfloat16|float16")
     parser.add_argument("--overwrite", action="store_true", help="replace a run of a different recipe in `out`")
     parser.add_argument("--print-recipe", action="store_true", help="print the resolved recipe and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

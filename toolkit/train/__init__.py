@@ -2,7 +2,8 @@
 and calibrators reuse it).
 
 * :mod:`.data`     distilled sets → held-out split by prompt → chat-template tokens, loss on response only
-* :mod:`.runtime`  HF ``Trainer`` + DeepSpeed ZeRO config + precision by hardware + exact resume + gather
+* :mod:`.runtime`  HF ``Trainer`` + DeepSpeed ZeRO config + ``train.device``/``train.dtype`` (autocast, float32
+                   master weights) + exact resume + gather
 * :mod:`.metrics`  drafter-vs-target agreement and simulated acceptance on held-out text
 * :mod:`.drafter`  the independent-drafter recipe (``scripts/train_drafter.py``)
 

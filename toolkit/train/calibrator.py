@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +25,8 @@ from decode.io import atomic_path, atomic_write_text
 from decode.heads import CalibrationPredictor, load_head, save_head, read_head_config
 
 from .data import is_heldout
-from .heads import (HeadRecipe, count_trainable, fit, load_distilled_examples, load_frozen_target, out_dir_of,
-                    write_eval)
+from .heads import (HeadRecipe, count_trainable, fit, head_placement, load_distilled_examples, load_frozen_target,
+                    out_dir_of, write_eval)
 
 KIND = "calibrator"
 DATA_FILE = "calibration_rows.safetensors"
@@ -165,7 +166,7 @@ def collect_rows(recipe: CalibratorRecipe, target_model, tok, progress: bool = T
             "top1": torch.tensor(cols["top1"]), "heldout": torch.tensor(cols["heldout"])}
 
 
-def load_or_collect(recipe: CalibratorRecipe, out: Path, target_model, tok) -> dict[str, torch.Tensor]:
+def load_or_collect(recipe: CalibratorRecipe, out: Path, target_model, tok, place=None) -> dict[str, torch.Tensor]:
     """Collected rows are cached in ``out`` (keyed by the collect section) so a resumed run skips it."""
     from safetensors.torch import load_file, save_file
 
@@ -177,7 +178,8 @@ def load_or_collect(recipe: CalibratorRecipe, out: Path, target_model, tok) -> d
     if path.is_file() and (out / (DATA_FILE + ".json")).is_file() and \
             (out / (DATA_FILE + ".json")).read_text() == key:
         return load_file(str(path))
-    rows = collect_rows(recipe, target_model, tok, recipe.progress)
+    with place.autocast() if place is not None else contextlib.nullcontext():  # the numbers training will see
+        rows = {k: v.cpu() for k, v in collect_rows(recipe, target_model, tok, recipe.progress).items()}
     with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in rows.items()}, str(tmp))
     atomic_write_text(out / (DATA_FILE + ".json"), key)
@@ -204,8 +206,9 @@ def loss_fn(model: CalibrationPredictor, inputs):
 
 
 def evaluate(model: CalibrationPredictor, rows, mask) -> dict:
+    dev = next(model.parameters()).device
     with torch.no_grad():
-        theta = torch.sigmoid(model(rows["h_target"][mask], rows["h_draft"][mask], rows["pos"][mask]))
+        theta = torch.sigmoid(model(*(rows[k][mask].to(dev) for k in ("h_target", "h_draft", "pos")))).float().cpu()
     y, top1 = rows["label"][mask], rows["top1"][mask]
     return {"rows": int(mask.sum()), "positive_rate": float(y.mean()) if len(y) else float("nan"),
             "predictor": {"auroc": auroc(theta, y), "ece": ece(theta, y),
@@ -219,9 +222,12 @@ def train(recipe: CalibratorRecipe) -> dict:
 
     from toolkit.config import to_dict
 
+    from .runtime import train_fingerprint
+
     out = out_dir_of(recipe, KIND)
-    target, tok = load_frozen_target(recipe.target)
-    rows = load_or_collect(recipe, out, target, tok)
+    place = head_placement(recipe)
+    target, tok = load_frozen_target(recipe.target, place)
+    rows = load_or_collect(recipe, out, target, tok, place)
     held = rows["heldout"].bool()
     if held.all() or not held.any():
         raise UserError("the collected rounds are all on one side of the held-out split; raise collect.prompts "
@@ -230,16 +236,18 @@ def train(recipe: CalibratorRecipe) -> dict:
     model = CalibrationPredictor(target.config.hidden_size, d_draft, recipe.head.mlp_hidden, recipe.head.max_pos)
     train_ds = RowDataset(rows, ~held)
     fp = {"kind": KIND, "target": recipe.target, "task": recipe.task, "rows": len(train_ds),
-          "head": to_dict(recipe.head), "collect": to_dict(recipe.collect), "train": to_dict(recipe.train)}
-    trained, seconds = fit(model, loss_fn, train_ds, default_data_collator, recipe, out, fp)
+          "head": to_dict(recipe.head), "collect": to_dict(recipe.collect),
+          "train": train_fingerprint(recipe.train, place)}
+    trained, seconds = fit(model, loss_fn, train_ds, default_data_collator, recipe, out, fp, place)
     if trained is None:
         return {}
     trained.eval()
+    with place.autocast():
+        metrics = {"train": evaluate(trained, rows, ~held), "heldout": evaluate(trained, rows, held)}
     report = {"kind": KIND, "task": recipe.task, "target": recipe.target,
               "drafter": recipe.collect.drafter or f"runs/heads/early_exit/{recipe.task}",
               "trainable_params": count_trainable(trained), "train_seconds": round(seconds, 1),
-              "train_rows": len(train_ds), "train": evaluate(trained, rows, ~held),
-              "heldout": evaluate(trained, rows, held), "recipe": to_dict(recipe)}
+              "train_rows": len(train_ds), **metrics, "recipe": to_dict(recipe)}
     save_head(trained, out, extra={"target_spec": recipe.target, "task": recipe.task})
     write_eval(out, report)
     return report

@@ -26,8 +26,8 @@ from decode.models import DEFAULT_TARGET, check_vocab_compatible, load_model
 
 from ..config import load_recipe, to_dict
 from .data import DataSection, collator, load_examples, split_heldout, tokenize_sft
-from .runtime import (LossTrainer, TrainSection, deepspeed_config, is_main_process, resume_checkpoint,
-                      trained_module, training_arguments)
+from .runtime import (LossTrainer, Placement, TrainSection, deepspeed_config, is_main_process, placement,
+                      resume_checkpoint, train_fingerprint, trained_module, training_arguments)
 
 
 @dataclass
@@ -119,8 +119,9 @@ class DrafterRecipe:
 
 def project_embeddings(E: torch.Tensor, hidden: int, seed: int = 0) -> torch.Tensor:
     """Target embeddings [V, d] → [V, hidden]: a copy, the top principal directions (narrower), or a
-    random isometry (wider), so the drafter starts from the target's token geometry."""
-    E = E.detach().float()
+    random isometry (wider), so the drafter starts from the target's token geometry. Computed on the CPU:
+    the same initial drafter whatever device holds the target."""
+    E = E.detach().float().cpu()
     d = E.shape[1]
     if hidden == d:
         return E.clone()
@@ -252,10 +253,10 @@ def out_dir_for(recipe: DrafterRecipe, task: str) -> Path:
     return Path(recipe.out_dir) if recipe.out_dir else Path(recipe.out_root) / recipe.name / task
 
 
-def _fingerprint(recipe: DrafterRecipe, task: str) -> dict:
+def _fingerprint(recipe: DrafterRecipe, task: str, place: Placement) -> dict:
     """What a checkpoint depends on; resume=auto refuses checkpoints whose setup differs."""
     d = to_dict(recipe)
-    train = {k: v for k, v in d["train"].items()
+    train = {k: v for k, v in train_fingerprint(recipe.train, place).items()
              if k not in ("max_steps", "epochs", "logging_steps", "save_steps", "save_total_limit", "dataloader_workers")}
     data = {k: v for k, v in d["data"].items() if k != "heldout_max"}
     return {"task": task, "target": recipe.target, "model": d["model"], "data": data, "kd": d["kd"], "train": train}
@@ -272,11 +273,14 @@ def train_drafter(recipe: DrafterRecipe, task: str, *, recipe_file: str | None =
         raise UserError(f"--task must be a task name (e.g. math, code, chat) or 'all', got {task!r}")
     out = out_dir_for(recipe, task)
     ds_cfg = deepspeed_config(recipe.train.deepspeed)  # fail fast on a bad config
+    place = placement(recipe.train, deepspeed=ds_cfg is not None)  # and on a device/dtype this machine lacks
     main = is_main_process()
     set_seed(recipe.train.seed)
 
     examples = load_examples(recipe.data, task)  # before the target: a data problem fails in a second
-    target, ttok = load_model(recipe.target, trust_remote_code=recipe.trust_remote_code)
+    # frozen (KD teacher, initial weights): float32 on the training device; its forwards run under autocast
+    target, ttok = load_model(recipe.target, device=place.device, dtype=torch.float32,
+                              trust_remote_code=recipe.trust_remote_code)
     if ttok.pad_token_id is None:
         ttok.pad_token = ttok.eos_token
     train_raw, held_raw = split_heldout(examples, recipe.data)
@@ -288,14 +292,14 @@ def train_drafter(recipe: DrafterRecipe, task: str, *, recipe_file: str | None =
 
     model = build_drafter(recipe.model, target, ttok, trust_remote_code=recipe.trust_remote_code)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    args = training_arguments(recipe.train, out / "checkpoints", ds_cfg)  # after the model: see its docstring
-    fingerprint = _fingerprint(recipe, task)
+    args = training_arguments(recipe.train, out / "checkpoints", ds_cfg, place)  # after the model: see its docstring
+    fingerprint = _fingerprint(recipe, task, place)
     resume = resume_checkpoint(recipe.resume, out / "checkpoints", fingerprint, out / "run.json")
     if main:
         atomic_write_json(out / "run.json", fingerprint, indent=2, sort_keys=True)
         print(f"[train-drafter] task={task} recipe={recipe.name} examples={len(train_ds)} held-out="
               f"{len(held_ds) if held_ds else 0} trainable params={trainable:,} deepspeed="
-              f"{recipe.train.deepspeed or 'off'} out={out}" + (f" resuming from {resume}" if resume else ""),
+              f"{recipe.train.deepspeed or 'off'} device={place.device} dtype={str(place.dtype)[6:]} out={out}" + (f" resuming from {resume}" if resume else ""),
               flush=True)
 
     trainer = LossTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator(ttok),
@@ -320,8 +324,9 @@ def train_drafter(recipe: DrafterRecipe, task: str, *, recipe_file: str | None =
                      recipe=recipe_dict, extra={"training": summary})
         atomic_write_json(out / "train_summary.json", summary, indent=2, sort_keys=True)
         if recipe.eval.enabled and held_ds is not None and len(held_ds):
-            drafter, _ = load_model(str(export))  # what the decode arm will load
-            metrics = heldout_agreement(drafter, target.to("cpu").eval(), held_ds, L=recipe.eval.L)
+            drafter, _ = load_model(str(export), device=place.device)  # what the decode arm will load
+            with place.autocast():
+                metrics = heldout_agreement(drafter, target.to(place.device).eval(), held_ds, L=recipe.eval.L)
             write_eval(export, metrics)
             print(f"[train-drafter] held-out: agreement={metrics['agreement']:.3f} acceptance(1-TV)="
                   f"{metrics['acceptance']:.3f} over {metrics['positions']} positions; export → {export}", flush=True)
@@ -336,7 +341,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", required=True, help="distilled task to train on (math, code, chat, ...) or 'all'")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="recipe overrides, e.g. train.max_steps=20 kd.weight=0.5 train.deepspeed=zero3")
+                        help="recipe overrides, e.g. train.max_steps=20 kd.weight=0.5 train.deepspeed=zero3 "
+                             "train.device=cuda train.dtype=bfloat16")
 
 
 def run(args) -> int:

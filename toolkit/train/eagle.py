@@ -17,8 +17,8 @@ from decode.errors import UserError
 from decode.heads import EagleHead, save_head
 
 from .data import collator
-from .heads import (HeadRecipe, OpenTextSection, count_trainable, fit, load_frozen_target, out_dir_of,
-                    tokenized_splits, with_open_text, write_eval)
+from .heads import (HeadRecipe, OpenTextSection, count_trainable, fit, head_placement, load_frozen_target,
+                    out_dir_of, tokenized_splits, with_open_text, write_eval)
 from .metrics import position_stats
 
 KIND = "eagle"
@@ -95,9 +95,10 @@ def heldout_agreement(module: EagleTrainModule, examples, progress: bool = True)
     from tqdm.auto import tqdm
 
     module.eval()
+    dev = next(module.head.parameters()).device
     tot = {"n": 0, "agree": 0.0, "overlap": 0.0}
     for ex in tqdm(examples, desc="held-out agreement", disable=not progress):
-        inputs = {k: torch.tensor([ex[k]]) for k in ("input_ids", "attention_mask", "labels")}
+        inputs = {k: torch.tensor([ex[k]], device=dev) for k in ("input_ids", "attention_mask", "labels")}
         pred, _, p_logits = _shifted(module, inputs, 0.0)
         if pred.shape[0]:
             s = position_stats(p_logits, module.head.logits(pred).float())
@@ -111,21 +112,26 @@ def heldout_agreement(module: EagleTrainModule, examples, progress: bool = True)
 def train(recipe: EagleRecipe) -> dict:
     from toolkit.config import to_dict
 
+    from .runtime import train_fingerprint
+
     out = out_dir_of(recipe, KIND)
-    target, tok = load_frozen_target(recipe.target)
+    place = head_placement(recipe)
+    target, tok = load_frozen_target(recipe.target, place)
     distilled, held = tokenized_splits(recipe, tok)
     train_ds, n_open = with_open_text(distilled, recipe.open_text, tok, recipe.data.max_length, recipe.train.seed)
     head = EagleHead(target, init=recipe.head.init)
     module = EagleTrainModule(target, head)
     fp = {"kind": KIND, "target": recipe.target, "task": recipe.task, "examples": len(train_ds),
-          "head": to_dict(recipe.head), "train": to_dict(recipe.train)}
-    trained, seconds = fit(module, make_loss(recipe.head), train_ds, collator(tok), recipe, out, fp)
+          "head": to_dict(recipe.head), "train": train_fingerprint(recipe.train, place)}
+    trained, seconds = fit(module, make_loss(recipe.head), train_ds, collator(tok), recipe, out, fp, place)
     if trained is None:
         return {}
+    with place.autocast():
+        heldout = heldout_agreement(trained, held, recipe.progress) if len(held) else None
     report = {"kind": KIND, "task": recipe.task, "target": recipe.target, "train_examples": {"distilled": len(distilled), "open_text": n_open},
               "trainable_params": count_trainable(trained.head), "train_seconds": round(seconds, 1),
               "feature": "post-norm final hidden state (LM-head input)",
-              "heldout": heldout_agreement(trained, held, recipe.progress) if len(held) else None,
+              "heldout": heldout,
               "recipe": to_dict(recipe)}
     save_head(trained.head, out, extra={"target_spec": recipe.target, "task": recipe.task})
     write_eval(out, report)

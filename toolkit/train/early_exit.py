@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from decode.heads import EarlyExitDrafter, save_head
 
 from .data import collator
-from .heads import (HeadRecipe, OpenTextSection, count_trainable, fit, load_frozen_target, out_dir_of,
-                    tokenized_splits, with_open_text, write_eval)
+from .heads import (HeadRecipe, OpenTextSection, count_trainable, fit, head_placement, load_frozen_target,
+                    out_dir_of, tokenized_splits, with_open_text, write_eval)
 from .metrics import heldout_agreement
 
 KIND = "early_exit"
@@ -44,22 +44,28 @@ def loss_fn(model: EarlyExitDrafter, inputs):
 def train(recipe: EarlyExitRecipe) -> dict:
     from toolkit.config import to_dict
 
+    from .runtime import train_fingerprint
+
     out = out_dir_of(recipe, KIND)
-    target, tok = load_frozen_target(recipe.target)
+    place = head_placement(recipe)
+    target, tok = load_frozen_target(recipe.target, place)
     distilled, held = tokenized_splits(recipe, tok)
     train_ds, n_open = with_open_text(distilled, recipe.open_text, tok, recipe.data.max_length, recipe.train.seed)
     head = EarlyExitDrafter(target, recipe.head.n_layers)
     head.freeze_shared()
     fp = {"kind": KIND, "target": recipe.target, "task": recipe.task, "examples": len(train_ds),
-          "head": to_dict(recipe.head), "open_text": to_dict(recipe.open_text), "train": to_dict(recipe.train)}
-    trained, seconds = fit(head, loss_fn, train_ds, collator(tok), recipe, out, fp)
+          "head": to_dict(recipe.head), "open_text": to_dict(recipe.open_text),
+          "train": train_fingerprint(recipe.train, place)}
+    trained, seconds = fit(head, loss_fn, train_ds, collator(tok), recipe, out, fp, place)
     if trained is None:
         return {}
     trained.eval()
+    with place.autocast():
+        heldout = heldout_agreement(trained, target, held, progress=recipe.progress) if len(held) else None
     report = {"kind": KIND, "task": recipe.task, "target": recipe.target, "n_layers": trained.n_layers,
               "train_examples": {"distilled": len(distilled), "open_text": n_open},
               "trainable_params": count_trainable(trained), "train_seconds": round(seconds, 1),
-              "heldout": heldout_agreement(trained, target, held, progress=recipe.progress) if len(held) else None,
+              "heldout": heldout,
               "recipe": to_dict(recipe)}
     save_head(trained, out, extra={"target_spec": recipe.target, "task": recipe.task})
     write_eval(out, report)

@@ -19,8 +19,8 @@ from decode.io import atomic_write_json
 from decode.models import DEFAULT_TARGET
 
 from .data import DataSection, load_examples, split_heldout, tokenize_sft
-from .runtime import (LossTrainer, TrainSection, deepspeed_config, is_main_process, resume_checkpoint,
-                      trained_module, training_arguments)
+from .runtime import (LossTrainer, Placement, TrainSection, deepspeed_config, is_main_process, placement,
+                      resume_checkpoint, trained_module, training_arguments)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES = REPO_ROOT / "recipes" / "heads"
@@ -68,10 +68,18 @@ def load_head_recipe(schema, kind: str, path: str | None, overrides, task: str |
     return load_recipe(schema, path, over)
 
 
-def load_frozen_target(spec: str):
+def head_placement(recipe: HeadRecipe) -> Placement:
+    """``train.device``/``train.dtype`` resolved on this machine (:func:`.runtime.placement`): call it first,
+    so an impossible choice fails before the target loads."""
+    return placement(recipe.train, deepspeed=deepspeed_config(recipe.train.deepspeed) is not None)
+
+
+def load_frozen_target(spec: str, place: Placement | None = None):
+    """The target, frozen, in float32 on the training device (its forwards run under autocast in the
+    compute dtype; heads initialised from its layers start as float32 master weights)."""
     from decode.models import load_model
 
-    model, tok = load_model(spec)
+    model, tok = load_model(spec, device=place.device if place else "cpu", dtype=torch.float32)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -136,7 +144,7 @@ def with_open_text(distilled, section: OpenTextSection, tokenizer, max_length: i
 
 
 def fit(module: torch.nn.Module, loss_fn, train_ds, collate, recipe: HeadRecipe, out: Path,
-        fingerprint: dict) -> tuple[torch.nn.Module | None, float]:
+        fingerprint: dict, place: Placement | None = None) -> tuple[torch.nn.Module | None, float]:
     """Train ``module`` (only its requires_grad parameters) with the shared Trainer; resumes from
     ``out/checkpoints`` when the setup matches. Returns (trained module on rank 0, seconds)."""
     ckpt = out / "checkpoints"
@@ -145,7 +153,7 @@ def fit(module: torch.nn.Module, loss_fn, train_ds, collate, recipe: HeadRecipe,
     if is_main_process():
         atomic_write_json(run_file, fingerprint, indent=2, sort_keys=True)
     ds_cfg = deepspeed_config(recipe.train.deepspeed)
-    args = training_arguments(recipe.train, ckpt, ds_cfg)
+    args = training_arguments(recipe.train, ckpt, ds_cfg, place)
     args.disable_tqdm = not recipe.progress
     trainer = LossTrainer(model=module, args=args, train_dataset=train_ds, data_collator=collate, loss_fn=loss_fn)
     t0 = time.perf_counter()
@@ -173,7 +181,7 @@ def run_main(kind: str, schema, train_fn, argv=None) -> int:
     ap = argparse.ArgumentParser(description=f"train the {kind} head (recipes/heads/{kind}.yaml)")
     ap.add_argument("--recipe", default=None, help=f"YAML recipe (default recipes/heads/{kind}.yaml)")
     ap.add_argument("--task", default=None, help="task whose distilled set to train on (runs/distill/<task>)")
-    ap.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. train.max_steps=20")
+    ap.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. train.max_steps=20 train.device=cuda train.dtype=bfloat16")
     args = ap.parse_args(argv)
     return run_user_command(lambda: train_fn(load_head_recipe(schema, kind, args.recipe, args.overrides, args.task)),
                             interrupted="interrupted; rerun the same command to resume from the latest checkpoint")

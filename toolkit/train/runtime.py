@@ -5,21 +5,33 @@ and several nodes elsewhere): the launcher only sets rank environment variables,
 config is a JSON file from ``recipes/deepspeed`` whose "auto" values the Trainer fills in.
 Artifacts supply a model and a ``loss_fn``; checkpoints, exact resume and gathering the trained
 weights (also from ZeRO-3 shards) happen here.
+
+Device and dtype (``train.device``, ``train.dtype``; :func:`placement`): ``auto`` trains on CUDA when a GPU
+is visible (each process of a multi-process launch on GPU ``LOCAL_RANK``), else on the CPU; ``train.dtype``
+is the *compute* dtype of mixed precision — ``auto`` = bfloat16 on a GPU that supports it, float32
+elsewhere. Weights, the trained ones and the frozen target's, stay float32 (master copies); every forward
+inside the loss (the trained model's, the frozen target's features / KD logits) runs under autocast in
+that dtype, and DeepSpeed's bf16/fp16 sections follow it. ``float16`` needs a GPU (a loss-scaled fp16
+step has no CPU path): on a CPU it is an error, as are a GPU that is not there, ``bfloat16`` on a GPU
+without it, and ``cpu`` with DeepSpeed on a GPU machine (DeepSpeed picks its accelerator from the hardware).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, ClassVar
 
 import torch
 from transformers import Trainer
 
 from decode.errors import UserError
+
+from ..config import DTypeName, check_device_spec, resolve_device_field, to_dict
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEEPSPEED_DIR = REPO_ROOT / "recipes" / "deepspeed"
@@ -37,15 +49,18 @@ class TrainSection:
     scheduler: str = "cosine"  # any transformers lr_scheduler_type
     max_grad_norm: float = 1.0
     seed: int = 0
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPUs that have it, else fp32
+    device: str = "auto"  # auto | cpu | cuda[:N]: auto = CUDA when a GPU is visible (GPU LOCAL_RANK per process)
+    dtype: DTypeName = "auto"  # compute dtype (mixed precision): auto = bfloat16 on a bf16 GPU, else float32
     deepspeed: str | None = "zero2"  # recipes/deepspeed/<name>.json or a path; null = no DeepSpeed
     logging_steps: int = 10
     save_steps: int = 200  # checkpoint every n optimizer steps (resume restarts from the latest)
     save_total_limit: int = 2
     gradient_checkpointing: bool = False
     dataloader_workers: int = 0
+    renamed_fields: ClassVar[dict[str, str]] = {"precision": "train.dtype (auto|float32|bfloat16|float16)"}
 
     def __post_init__(self):
+        check_device_spec(self.device, "train.device")
         for name in ("batch_size", "grad_accum", "logging_steps", "save_steps", "save_total_limit"):
             if getattr(self, name) < 1:
                 raise UserError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -75,14 +90,59 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def precision_flags(choice: str) -> dict:
-    """TrainingArguments flags for a precision choice; ``auto`` = bf16 where the GPU supports it, else fp32."""
-    cuda = torch.cuda.is_available()
-    if choice == "auto":
-        choice = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
-    if choice == "fp16" and not cuda:
-        raise UserError("train.precision=fp16 needs a CUDA GPU; use auto, fp32 or bf16")
-    return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
+@dataclass(frozen=True)
+class Placement:
+    """Where this process computes: ``device`` and the compute ``dtype`` (weights stay float32)."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def autocast(self):
+        """Autocast to the compute dtype (nothing for float32): wrap every forward outside the Trainer too
+        (held-out metrics, data collection), so they see the numbers training saw."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+
+def placement(section: TrainSection, *, deepspeed: bool = False) -> Placement:
+    """Resolve ``train.device``/``train.dtype`` on this machine (module docstring); impossible choices are
+    one-line errors naming the field, before any model loads."""
+    dev = resolve_device_field(section.device, "train.device")
+    if dev.type == "cuda":
+        # the Trainer puts each process on GPU LOCAL_RANK (launchers) or on the first visible GPU (plain python)
+        mine = int(os.environ.get("LOCAL_RANK", "0"))
+        if dev.index is not None and dev.index != mine:
+            raise UserError(f"train.device={section.device}: this process trains on cuda:{mine} (the trainer uses "
+                            f"GPU LOCAL_RANK under a launcher, the first visible GPU otherwise); pick the GPU with "
+                            f"CUDA_VISIBLE_DEVICES={dev.index} and train.device=cuda")
+        if mine >= torch.cuda.device_count():
+            raise UserError(f"train.device={section.device}: LOCAL_RANK={mine} but only {torch.cuda.device_count()} "
+                            f"CUDA device(s) are visible; launch at most one process per GPU")
+        dev = torch.device("cuda", mine)
+    elif deepspeed and torch.cuda.is_available():
+        raise UserError("train.device=cpu with train.deepspeed: DeepSpeed uses the GPU it finds; set "
+                        "train.deepspeed=null to train on the CPU, or train.device=auto")
+    spec = section.dtype
+    bf16_ok = dev.type != "cuda" or torch.cuda.is_bf16_supported()
+    if spec == "auto":
+        spec = "bfloat16" if dev.type == "cuda" and bf16_ok else "float32"
+    if spec == "float16" and dev.type != "cuda":
+        raise UserError("train.dtype=float16 needs a CUDA device (fp16 mixed precision scales the loss on a GPU); "
+                        "on the CPU use float32 (auto) or bfloat16")
+    if spec == "bfloat16" and not bf16_ok:
+        raise UserError(f"train.dtype=bfloat16: {torch.cuda.get_device_name(dev)} has no bfloat16 support; use "
+                        f"float16, float32 or auto")
+    return Placement(dev, getattr(torch, spec))
+
+
+def train_fingerprint(section: TrainSection, place: Placement) -> dict:
+    """The train section as a checkpoint depends on it: the resolved compute dtype (``auto`` differs between
+    machines), not the device (a run may resume on another device)."""
+    d = to_dict(section)
+    d.pop("device", None)
+    d["dtype"] = str(place.dtype).removeprefix("torch.")
+    return d
 
 
 def deepspeed_config(name: str | None) -> dict | None:
@@ -112,14 +172,16 @@ def deepspeed_config(name: str | None) -> dict | None:
     return cfg
 
 
-def training_arguments(section: TrainSection, ckpt_dir: Path, ds_config: dict | None):
+def training_arguments(section: TrainSection, ckpt_dir: Path, ds_config: dict | None,
+                       place: Placement | None = None):
     """TrainingArguments from a recipe section. Build models *before* calling this: with ZeRO-3 the
     arguments switch transformers' loaders to partitioned construction."""
     from transformers import TrainingArguments
 
+    place = place or placement(section, deepspeed=ds_config is not None)
     if ds_config is not None:
         ensure_process_group_env()
-    return TrainingArguments(
+    args = TrainingArguments(
         output_dir=str(ckpt_dir),
         per_device_train_batch_size=section.batch_size,
         gradient_accumulation_steps=section.grad_accum,
@@ -141,9 +203,13 @@ def training_arguments(section: TrainSection, ckpt_dir: Path, ds_config: dict | 
         remove_unused_columns=False,
         report_to=[],
         deepspeed=ds_config,
-        use_cpu=not torch.cuda.is_available(),
-        **precision_flags(section.precision),
+        use_cpu=place.device.type == "cpu",
+        bf16=place.dtype == torch.bfloat16,
+        fp16=place.dtype == torch.float16,
     )
+    if ds_config is None and place.device.type == "cuda" and torch.cuda.device_count() > 1 and args.n_gpu > 1:
+        args._n_gpu = 1  # one process trains on one GPU (HF would wrap DataParallel); more GPUs: one process each
+    return args
 
 
 # --------------------------------------------------------------------------- trainer
@@ -169,11 +235,22 @@ class LossTrainer(Trainer):
         self._extra: dict[str, list[float]] = defaultdict(list)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss, logs = self.loss_fn(model, inputs)
+        with self._autocast():  # also the frozen target's and submodule forwards, which the Trainer's own
+            loss, logs = self.loss_fn(model, inputs)  # autocast (around model.forward only) would miss
         if model.training:
             for k, v in logs.items():
                 self._extra[k].append(float(v))
         return (loss, None) if return_outputs else loss
+
+    def _autocast(self):
+        dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+        if dtype is None:
+            return contextlib.nullcontext()
+        if self.is_deepspeed_enabled:  # its engine runs its own forward in DeepSpeed's bf16/fp16 (same dtype);
+            with contextlib.suppress(ImportError, AttributeError):  # its once-per-run notice says so: silence it
+                import deepspeed.runtime.torch_autocast as ds_autocast
+                ds_autocast._WARNED_NESTED_AUTOCAST = True
+        return torch.autocast(self.args.device.type, dtype=dtype)
 
     def log(self, logs, *args, **kwargs):
         if self._extra and "loss" in logs:
