@@ -16,7 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, help)
     "eval": ("decode.evaluate", "evaluate arms and policies against HF generate and autoregressive decoding"),
     "bench-verify": ("decode.bench_verify", "time the fused Triton verifier vs the PyTorch reference (GB/s)"),
+    "report": ("decode.report", "rebuild an evaluation's report.json and table from its records.jsonl"),
     "simulate": ("decode.simulate", "stopping-time regret of policies on synthetic or replayed bandit instances"),
+    "bench-round": ("decode.bench_round", "break a round into draft, target forward, verify, rollback and "
+                    "bookkeeping time per arm"),
 }
 
 

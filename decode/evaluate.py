@@ -1,21 +1,23 @@
-"""Evaluate arms and policies against plain HF generate and our own autoregressive loop, interleaved per
-prompt on the same target.
+"""Evaluate arms and policies against plain HF generate, our own autoregressive loop and peer speculative
+decoders (transformers' prompt lookup, assisted generation, early exit), interleaved per prompt on the
+same target.
 
 Methods (one decode function each, fed to one loop; the order rotates per prompt so machine noise hits
-all alike): ``hf`` (the reference, HF ``generate``), ``autoregressive`` (our engine without
-speculation), every arm fixed, every policy over the pool, and the per-prompt ``oracle`` (best fixed
-arm in hindsight). Writes report.json (config, one record per (method, prompt), summary per method,
-timing warnings) and the markdown table beside it.
+all alike): ``hf`` (the reference, HF ``generate``), every ``--peers`` spec, ``autoregressive`` (our
+engine without speculation), every arm fixed, every policy over the pool, and the per-prompt ``oracle``
+(best fixed arm in hindsight, derived from the records at the end). Each finished (method, prompt) record
+is appended to records.jsonl beside the report as it completes, so an interrupted run resumes where it
+stopped when the same command is run again; report.json and the markdown table are built from the
+records at the end (decode/report.py, also ``decode report``).
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import math
-import os
+import hashlib
 import platform
+import sys
 import time
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -23,24 +25,22 @@ from tqdm.auto import tqdm
 from . import metrics
 from .arms import ArmEnv, build_arm
 from .arms.none import NoSpecArm
+from .device import DEVICES, DTYPES
 from .engine import Generation, SpecEngine
 from .errors import UserError
-from .io import atomic_write_json, atomic_write_text
+from .eval_config import CACHES, MAX_SEED, EvalConfig, differences
+from .io import JsonlLog
 from .length import LengthController, build_length
 from .models import DEFAULT_TARGET, load_model
+from .peers import HFMethod, build_peers
 from .policies import build_policy
 from .policies.simple import Fixed
+from .report import AR, FORMAT, build_report, load_records, rotated, write_report
 from .sampling import SamplingConfig
-from .specs import parse_spec, split_specs
 from .suites import BUILTIN, Prompt, encode_prompt, load_jsonl_suite, select
 from .target import Target
-from .traces import write_traces
+from .traces import record_trace, write_traces
 from .verify import BACKENDS, Verifier
-
-HF = "hf"
-AR = "autoregressive"
-ORACLE = "oracle"
-MAX_SEED = 2**32 - 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="ucbspec;exp3spec",
                    help="policy specs separated by ';' (e.g. 'ucbspec;ducb:discount=0.9,c=0.1'); ',' separates "
                         "a spec's key=value parameters, and a ',' before a bare name also starts a new spec")
+    p.add_argument("--peers", default="",
+                   help="peer decoders run in the same loop, specs separated by ';': hf-pld:L=N (transformers "
+                        "prompt lookup), hf-assisted:path=DIR (assisted generation with a drafter), "
+                        "hf-early-exit:layers=N (transformers early-exit self-speculation)")
     p.add_argument("--length", help="draft-length controller for every arm and policy run (a fresh one per "
                                     "method): fixed (default), beta-ts[:alpha=..,beta=..], "
                                     "cali-ts[:predictor=top1|<calibrator folder>]")
@@ -67,78 +71,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
     p.add_argument("--seed", type=int, default=0, help=f"integer in [0, {MAX_SEED}]")
     p.add_argument("--verifier", default="auto", choices=BACKENDS)
+    p.add_argument("--device", default="auto", help=f"{DEVICES} (auto = cuda when available, else cpu)")
+    p.add_argument("--dtype", default="auto", help=f"auto|{'|'.join(DTYPES)} (auto = bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--cache", choices=CACHES, default=None,
+                   help="KV cache of the target and of the arms that own one: static (default; pre-allocated, rollback "
+                        "moves a length pointer) or dynamic (grows and is cropped)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the target's verification forward (needs the static cache)")
     p.add_argument("--out", default="runs/eval/report.json",
-                   help="report JSON file (the markdown table is written beside it with the suffix .md)")
+                   help="report JSON file (the markdown table is written beside it with the suffix .md, the "
+                        "records as they finish into records.jsonl, or NAME.records.jsonl for --out NAME.json); "
+                        "rerunning with the same --out resumes")
+    p.add_argument("--fresh", "--overwrite", dest="fresh", action="store_true",
+                   help="discard the records an earlier run left at --out and start over")
     p.add_argument("--no-progress", action="store_true")
-
-
-# ---- input checks: everything is validated before any model is loaded -------------------------------
-
-def _check_ranges(args) -> None:
-    """One-line errors naming the flag and its valid range (NaN/inf included)."""
-    ints = [("--max-new-tokens", args.max_new_tokens, 1, None), ("--limit", args.limit, 1, None),
-            ("--top-k", args.top_k, 0, None), ("--seed", args.seed, 0, MAX_SEED)]
-    for flag, v, lo, hi in ints:
-        if v is not None and (v < lo or (hi is not None and v > hi)):
-            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise UserError(f"{flag} must be an integer {rng}, got {v}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
-
-
-def _check_outputs(args) -> list[Path]:
-    """Fail before decoding, not after it, on an output path that cannot be written: a folder, a parent
-    that is a file, an unwritable folder, or two outputs on the same file. Returns the report paths."""
-    out = Path(args.out)
-    if out.suffix == ".md":
-        raise UserError(f"--out {out}: the markdown table is written beside the report as .md; "
-                        f"name the report e.g. {out.with_suffix('.json')}")
-    paths = [("--out", out), ("--out (table)", out.with_suffix(".md"))]
-    if args.record_traces:
-        paths.append(("--record-traces", Path(args.record_traces)))
-    seen = {}
-    for flag, p in paths:
-        key = p.resolve()
-        if key in seen:
-            raise UserError(f"{flag} {p}: the same file as {seen[key]}; pass another path")
-        seen[key] = flag
-        if p.is_dir():
-            raise UserError(f"{flag} {p}: is a folder; pass a file path")
-        parent = p.parent
-        while not parent.exists():
-            parent = parent.parent
-        if not parent.is_dir():
-            raise UserError(f"{flag} {p}: {parent} is a file, not a folder")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise UserError(f"{flag} {p}: cannot write into {parent} (permission denied)")
-    return [out, out.with_suffix(".md")]
-
-
-def _arm_specs(args) -> list[str]:
-    specs = split_specs(args.arms or "")
-    if args.pool:
-        from .pools import load_pool
-        specs += load_pool(args.pool)
-    if not specs:
-        raise UserError("no arms: pass --arms (e.g. 'pld:L=4;suffix:L=6') or --pool")
-    return specs
-
-
-def parse_policy_specs(text: str) -> list[str]:
-    """``--policies`` with the arms' splitting rule (decode/specs.py split_specs: ';' between specs,
-    ',' between a spec's parameters), so ``ducb:discount=0.9,c=0.1;ucbspec`` is two policies.
-    Duplicates are refused: their records would merge under one method name."""
-    specs = split_specs(text)
-    seen = {}
-    for s in specs:
-        name, params = parse_spec(s)
-        key = (name, tuple(sorted(params.items())))
-        if key in seen:
-            raise UserError(f"--policies: '{s}' duplicates '{seen[key]}'; each policy is evaluated once")
-        seen[key] = s
-    return specs
 
 
 def _eos_ids(model, tok) -> list[int]:
@@ -152,70 +98,25 @@ def _eos_ids(model, tok) -> list[int]:
 
 
 # ---- methods: one decode function each -----------------------------------------------------------------
-
-def truncate_at_eos(tokens: list[int], eos) -> tuple[list[int], str]:
-    """The engine's stopping rule: keep up to and including the first EOS token."""
-    for j, t in enumerate(tokens):
-        if t in eos:
-            return tokens[:j + 1], "eos"
-    return tokens, "length"
-
-
-@torch.inference_mode()
-def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, eos: list[int],
-                pad_token_id: int) -> tuple[list[int], float, str]:
-    """The reference decoder: plain HF ``generate`` (no streamer, no assistant) on the same prompt ids.
-
-    Returns (new tokens, seconds, "eos" | "length"). Tokens follow the engine's convention (the first
-    EOS is kept, nothing after it), so greedy outputs compare token for token. The checkpoint's own
-    generation_config is swapped out for the call: its penalties, forced tokens or sampling defaults
-    would make HF decode something other than the plain model.
-    """
-    from transformers import GenerationConfig
-
-    opts = dict(do_sample=not sampling.greedy)
-    if not sampling.greedy:
-        opts.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=list(eos) or None,
-                           pad_token_id=pad_token_id, use_cache=True, **opts)
-    x = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
-    saved, model.generation_config = model.generation_config, GenerationConfig()
-    try:
-        start = time.perf_counter()
-        out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)
-        tokens = out[0, len(prompt_ids):].tolist()
-        seconds = time.perf_counter() - start
-    finally:
-        model.generation_config = saved
-    tokens, stopped_by = truncate_at_eos(tokens, set(eos))
-    return tokens, seconds, stopped_by
-
-
-class HFMethod:
-    """``hf``: one target forward per token, so MAT = 1 by definition."""
-
-    name, kind = HF, "hf"
-
-    def __init__(self, model, sampling: SamplingConfig, eos: list[int], pad_token_id: int):
-        self.model, self.sampling, self.eos, self.pad = model, sampling, eos, pad_token_id
-
-    def decode(self, ids: list[int], pi: int, max_new_tokens: int) -> dict:
-        tokens, seconds, stopped_by = hf_generate(self.model, ids, max_new_tokens, self.sampling, self.eos, self.pad)
-        n = len(tokens)
-        return {"new_tokens": n, "rounds": n, "accept_lengths": [0] * n, "drafted": [0] * n, "arms": [],
-                "draft_time": 0.0, "verify_time": seconds, "wall_time": seconds, "stopped_by": stopped_by,
-                "token_ids": tokens}
-
+# hf (HFMethod) and the peers live in decode/peers.py; our engine's methods here.
 
 class EngineMethod:
     """Our engine with a fixed arm (``policy_spec`` None) or a policy. Each method owns its length
     controller and its carry=true policy, so nothing learnt under one method leaks into another."""
 
     def __init__(self, name: str, kind: str, engine: SpecEngine, labels: list[str], *, arm: int = 0,
-                 policy_spec: str | None = None, length: LengthController | None = None, seed: int = 0):
+                 policy_spec: str | None = None, length: LengthController | None = None, seed: int = 0,
+                 carry: bool = False):
         self.name, self.kind, self.engine, self.labels = name, kind, engine, labels
         self.arm, self.policy_spec, self.length, self.seed = arm, policy_spec, length, seed
+        self.policy_carries = carry
         self.carried = None
+
+    @property
+    def stateful(self) -> bool:
+        """Learns across prompts (a carry=true policy or length controller): a resumed run replays the
+        finished prompts through it, so what it has learnt is what an uninterrupted run's would be."""
+        return self.policy_carries or bool(getattr(self.length, "carry", False))
 
     def _policy(self, pi: int):
         n, max_len = len(self.engine.arms), self.engine.max_len
@@ -239,206 +140,206 @@ class EngineMethod:
 
 
 def build_methods(target: Target, env: ArmEnv, arm_specs: list[str], policy_specs: list[str], verifier: Verifier,
-                  eos: list[int], length: LengthController, seed: int, hf: HFMethod) -> tuple[list, list[str]]:
-    """[hf, autoregressive, every arm, every policy]; arm and policy methods get their own copy of
-    ``length`` (a copy, not a rebuild: a trained predictor is loaded once)."""
+                  eos: list[int], length: LengthController, seed: int, hf: HFMethod,
+                  peers: list = ()) -> tuple[list, list[str]]:
+    """[hf, every peer, autoregressive, every arm, every policy]; arm and policy methods get their own
+    copy of ``length`` (a copy, not a rebuild: a trained predictor is loaded once)."""
     arms = [build_arm(s, env) for s in arm_specs]
     labels = [a.label for a in arms]
     if len(set(labels)) != len(labels):
         raise UserError(f"duplicate arms in the pool: {labels}; give drafters distinct name=... labels")
     engine = SpecEngine(target, arms, verifier, eos)
     ar_engine = SpecEngine(target, [NoSpecArm()], verifier, eos)
-    methods = [hf, EngineMethod(AR, "autoregressive", ar_engine, labels)]
+    methods = [hf, *peers, EngineMethod(AR, "autoregressive", ar_engine, labels)]
     methods += [EngineMethod(f"arm:{lab}", "arm", engine, labels, arm=i, length=copy.deepcopy(length))
                 for i, lab in enumerate(labels)]
     for spec in policy_specs:
-        build_policy(spec, len(arms), engine.max_len)  # validate names/params before any decoding
+        probe = build_policy(spec, len(arms), engine.max_len)  # validate names/params before any decoding
         methods.append(EngineMethod(f"policy:{spec}", "policy", engine, labels, policy_spec=spec,
-                                    length=copy.deepcopy(length), seed=seed))
+                                    length=copy.deepcopy(length), seed=seed, carry=probe.carry))
+    names = [m.name for m in methods]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise UserError(f"two methods share the name {clash[0]!r}; their records would merge")
     return methods, labels
-
-
-# ---- summary ----------------------------------------------------------------------------------------------
-
-def _aggregate(recs: list[dict]) -> dict:
-    toks = sum(r["new_tokens"] for r in recs)
-    fwd = sum(r["rounds"] for r in recs)
-    wall = sum(r["wall_time"] for r in recs)
-    acc = sum(sum(r["accept_lengths"]) for r in recs)
-    dr = sum(sum(r["drafted"]) for r in recs)
-    return {"prompts": len(recs), "new_tokens": toks, "target_forwards": fwd, "wall_time": wall,
-            "mat": metrics.mat(toks, fwd), "tokens_per_s": metrics.tokens_per_s(toks, wall),
-            "acceptance_rate": metrics.acceptance_rate(acc, dr),
-            "hm": metrics.harmonic_mean_metric(acc, dr, toks)}
-
-
-def _speedups(s: dict, ar: dict, hf: dict) -> dict:
-    s["speedup"] = metrics.speedup(s["tokens_per_s"], ar["tokens_per_s"])
-    s["speedup_vs_hf"] = metrics.speedup(s["tokens_per_s"], hf["tokens_per_s"])
-    return s
-
-
-def summarize(records: list[dict], method_names: list[str], labels: list[str], greedy: bool) -> dict:
-    """Per method: MAT, tokens/s, ``speedup`` (vs our autoregressive loop), ``speedup_vs_hf``,
-    ``lossless`` (greedy: token ids equal hf's on every prompt; None when sampling), per category."""
-    by_method = {m: [r for r in records if r["method"] == m] for m in method_names}
-    reference = {r["prompt_id"]: r["token_ids"] for r in by_method[HF]}
-    cats = sorted({r["category"] for r in records})
-
-    def in_cat(recs, c):
-        return [r for r in recs if r["category"] == c]
-
-    base = {b: _aggregate(by_method[b]) for b in (AR, HF)}
-    base_cat = {b: {c: _aggregate(in_cat(by_method[b], c)) for c in cats} for b in (AR, HF)}
-    summary = {}
-    for m, recs in by_method.items():
-        s = _speedups(_aggregate(recs), base[AR], base[HF])
-        s["lossless"] = all(r["token_ids"] == reference[r["prompt_id"]] for r in recs) if greedy else None
-        s["per_category"] = {c: _speedups(_aggregate(in_cat(recs, c)), base_cat[AR][c], base_cat[HF][c])
-                             for c in cats}
-        if m.startswith("policy:") or m == ORACLE:
-            played = [a for r in recs for a in r["arms"]]
-            s["arm_pulls"] = {lab: played.count(lab) for lab in labels}
-        summary[m] = s
-    if ORACLE in summary:
-        o = summary[ORACLE]
-        for m, s in summary.items():
-            if m.startswith("policy:"):
-                s["fraction_of_oracle"] = {
-                    "mat": s["mat"] / o["mat"] if o["mat"] else 0.0,
-                    "speedup": s["speedup"] / o["speedup"] if o["speedup"] else 0.0,
-                    "per_category": {c: {"mat": s["per_category"][c]["mat"] / o["per_category"][c]["mat"],
-                                         "speedup": s["per_category"][c]["speedup"] / o["per_category"][c]["speedup"]}
-                                     for c in cats if o["per_category"][c]["mat"] and o["per_category"][c]["speedup"]},
-                }
-    return summary
-
-
-def timing_warnings(records: list[dict], summary: dict) -> list[str]:
-    """Why the speed-ups of this run may be meaningless (metrics.speedup_warnings on the hf reference's
-    per-prompt tokens/s, every method's and category cell's speed-up vs hf and its MAT)."""
-    ref = [r for r in records if r["method"] == HF]
-    tps = [metrics.tokens_per_s(r["new_tokens"], r["wall_time"]) for r in ref]
-    cells = []
-    for m, s in summary.items():
-        cells.append((m, s["speedup_vs_hf"], s["mat"]))
-        if len(s["per_category"]) > 1:
-            cells += [(f"{m} [{c}]", cs["speedup_vs_hf"], cs["mat"]) for c, cs in s["per_category"].items()]
-    return metrics.speedup_warnings(tps, sum(r["new_tokens"] for r in ref), cells,
-                                    step_cost_ratio=summary[AR]["speedup_vs_hf"])
-
-
-def oracle_records(records: list[dict], arm_methods: list[str]) -> list[dict]:
-    """Per prompt, the fixed arm with the fewest target forwards (ties: less wall time) in hindsight."""
-    out = []
-    for pid in dict.fromkeys(r["prompt_id"] for r in records):
-        cands = [r for r in records if r["prompt_id"] == pid and r["method"] in arm_methods]
-        best = min(cands, key=lambda r: (r["rounds"], r["wall_time"]))
-        out.append({**best, "method": ORACLE, "oracle_arm": best["method"]})
-    return out
-
-
-def markdown_table(summary: dict, cats: list[str], warnings: list[str] = ()) -> str:
-    """Per category MAT / speed-up vs hf; overall MAT, speed-up vs hf and vs our autoregressive loop;
-    then the timing warnings, if any."""
-    head = ("| method | " + " | ".join(f"{c} MAT / ×hf" for c in cats)
-            + " | all MAT | × vs hf | × vs autoregressive | lossless vs hf |")
-    sep = "|" + "---|" * (len(cats) + 5)
-    rows = [head, sep]
-    for m, s in summary.items():
-        cells = [f"{s['per_category'][c]['mat']:.2f} / {s['per_category'][c]['speedup_vs_hf']:.2f}" for c in cats]
-        ll = "—" if s["lossless"] is None else ("yes" if s["lossless"] else "NO")
-        frac = f" ({s['fraction_of_oracle']['speedup']:.0%} of oracle)" if "fraction_of_oracle" in s else ""
-        rows.append(f"| {m} | " + " | ".join(cells)
-                    + f" | {s['mat']:.2f} | {s['speedup_vs_hf']:.2f}{frac} | {s['speedup']:.2f} | {ll} |")
-    if warnings:
-        rows += ["", "**Warning: these speed-ups may be meaningless:**", *(f"- {w}" for w in warnings)]
-    return "\n".join(rows)
 
 
 # ---- the run -------------------------------------------------------------------------------------------------
 
-def _record_traces(args, methods: list, prompts: list[Prompt], encoded: list[list[int]], gen) -> None:
+def _record_traces(cfg: EvalConfig, methods: list, prompts: list[Prompt], encoded: list[list[int]], gen) -> None:
     """Dense counterfactual traces (decode/traces.py): for each prompt, the fixed-first-arm output is
     re-scored by every arm at every position; a separate pass so timed runs above stay untouched."""
     engine = next(m.engine for m in methods if m.kind == "arm")
-    traces = []
+    out = []
     for pi, (p, ids) in enumerate(tqdm(list(zip(prompts, encoded)), desc="traces", unit="prompt",
-                                       disable=args.no_progress)):
-        gen.manual_seed(args.seed * 1_000_003 + pi)
-        g = engine.generate(ids, Fixed(len(engine.arms), engine.max_len, arm=0), args.max_new_tokens, trace="dense")
+                                       disable=cfg.no_progress)):
+        gen.manual_seed(cfg.seed * 1_000_003 + pi)
+        policy = Fixed(len(engine.arms), engine.max_len, arm=0)
+        g = record_trace(engine, ids, policy, cfg.max_new_tokens, "dense")
         g.trace.meta = {"id": p.id, "category": p.category}
-        traces.append(g.trace)
-    write_traces(args.record_traces, traces)
-    print(f"traces: {args.record_traces}  (replay: python -m decode simulate --traces {args.record_traces})")
+        out.append(g.trace)
+    write_traces(cfg.record_traces, out)
+    print(f"traces: {cfg.record_traces}  (replay: python -m decode simulate --traces {cfg.record_traces})")
+
+
+def _prompt_keys(prompts: list[Prompt]) -> list[list[str]]:
+    """[id, category, digest of the text] per prompt: what a resumed run must find unchanged."""
+    return [[p.id, p.category, hashlib.sha256(p.text.encode("utf-8")).hexdigest()[:16]] for p in prompts]
+
+
+def _environment(device: torch.device) -> dict:
+    import transformers
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "platform": platform.platform(), "threads": torch.get_num_threads(),
+           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def _check_resume(cfg: EvalConfig, header: dict | None, records: list[dict], prompt_keys: list) -> None:
+    """A records file decoded under other settings is never mixed with this run's: a clear error naming
+    every differing field and the ways on."""
+    if header is None:
+        return
+    saved = {**EvalConfig.from_dict(header["config"]).results_view(), "prompts": header["prompts"]}
+    now = {**cfg.results_view(), "prompts": prompt_keys}
+    diff = differences(saved, now)
+    if diff and records:
+        raise UserError(f"--out {cfg.out}: {cfg.records_path} holds {len(records)} records decoded with other "
+                        f"settings: {'; '.join(diff)}. Rerun with the earlier settings to resume, pass another "
+                        f"--out, or add --fresh to discard those records")
 
 
 def run(args) -> int:
-    _check_ranges(args)
-    out, table_path = _check_outputs(args)
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    arm_specs = _arm_specs(args)
-    policy_specs = parse_policy_specs(args.policies or "")
-    length = build_length(args.length, args.seed)  # validated (and any predictor loaded) before the models
-    prompts = load_jsonl_suite(args.suite) if args.suite else list(BUILTIN)
-    cats_arg = None if args.categories is None else [c.strip() for c in args.categories.split(",") if c.strip()]
-    prompts = select(prompts, cats_arg, args.limit)
+    cfg = EvalConfig.from_args(args)
+    return evaluate(cfg)
 
-    torch.manual_seed(args.seed)
-    model, tok = load_model(args.target, trust_remote_code=args.trust_remote_code)
-    gen = torch.Generator().manual_seed(args.seed)
-    target = Target(model, tok, want_hidden=False)
-    env = ArmEnv(model, tok, sampling, gen, target_name=args.target, trust_remote_code=args.trust_remote_code,
-                 target=target)
-    verifier = Verifier(sampling, args.verifier, gen)
+
+def evaluate(cfg: EvalConfig) -> int:
+    """Decode every (method, prompt) pair not already in ``cfg.records_path``, appending each record as
+    it finishes, then write the report from all records. Everything is checked before a model loads."""
+    cfg.check_ranges()
+    cfg.check_outputs()
+    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
+    length = build_length(cfg.length, cfg.seed)  # validated (and any predictor loaded) before the models
+    prompts = load_jsonl_suite(cfg.suite) if cfg.suite else list(BUILTIN)
+    prompts = select(prompts, cfg.categories, cfg.limit)
+    keys = _prompt_keys(prompts)
+
+    header, records, good_bytes = None, [], 0
+    if not cfg.fresh:  # --fresh: whatever is there is discarded unread
+        header, records, good_bytes, notes = load_records(cfg.records_path)
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr)
+        _check_resume(cfg, header, records, keys)
+        if header is not None and not records:  # stopped before its first record: nothing to keep
+            header = None
+    done = {(r["method"], r["prompt_id"]) for r in records}
+    if header is not None:
+        expected = {(m["name"], p.id) for m in header["methods"] for p in prompts}
+        if expected <= done and not cfg.record_traces:  # nothing left to decode: no model needed
+            print(f"all {len(expected)} (method, prompt) records are in {cfg.records_path}; rebuilding the report")
+            return _finish(cfg, header, records)
+
+    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    torch.manual_seed(cfg.seed)
+    model, tok = load_model(cfg.target, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    target = Target(model, tok, want_hidden=False, cache=cfg.cache, compile=cfg.compile)
+    env = ArmEnv(model, tok, sampling, gen, target_name=cfg.target, trust_remote_code=cfg.trust_remote_code,
+                 target=target, cache=cfg.cache)
+    verifier = Verifier(sampling, cfg.verifier, gen)
     eos = _eos_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     hf = HFMethod(model, sampling, eos, pad)
-    methods, labels = build_methods(target, env, arm_specs, policy_specs, verifier, eos, length, args.seed, hf)
-    if any(a.uses_target_hidden for a in methods[-1].engine.arms) or length.needs_target_hidden:
+    peers = build_peers(cfg.peers, model, tok, sampling, eos, pad) if cfg.peers else []
+    methods, labels = build_methods(target, env, cfg.arms, cfg.policies, verifier, eos, length, cfg.seed, hf, peers)
+    arm_engine = next(m.engine for m in methods if m.kind == "arm")
+    if any(a.uses_target_hidden for a in arm_engine.arms) or length.needs_target_hidden:
         target.want_hidden = True
     encoded = [encode_prompt(tok, p.text) for p in prompts]
 
-    # warm-up so the first timed runs do not pay one-off costs; engines directly with a fixed arm and no
-    # length controller, so no carried policy or controller learns from it
-    warm = min(8, args.max_new_tokens)
+    names = [m.name for m in methods]
+    if header is not None and [m["name"] for m in header["methods"]] != names:
+        raise UserError(f"--out {cfg.out}: {cfg.records_path} was decoded with the methods "
+                        f"{[m['name'] for m in header['methods']]}, this run has {names} (a drafter renamed?); "
+                        f"pass another --out, or add --fresh to discard those records")
+    if header is None:
+        saved = {k: v for k, v in cfg.to_dict().items() if k not in ("fresh", "no_progress")}
+        header = {"format": FORMAT, "config": saved, "prompts": keys,
+                  "methods": [{"name": m.name, "kind": m.kind} for m in methods], "arm_labels": labels,
+                  "peer_settings": {p.name: getattr(p, "settings", {}) for p in peers},
+                  "environment": _environment(device)}
+    log = JsonlLog(cfg.records_path, keep_bytes=good_bytes if records else 0)
+    try:
+        if not records:
+            log.append(header)
+        _decode_all(cfg, methods, prompts, encoded, hf, tok, gen, log, records, done)
+    except KeyboardInterrupt:
+        print(f"interrupted: {len(records)} records kept in {cfg.records_path}; run the same command again "
+              f"to resume", file=sys.stderr)
+        raise
+    finally:
+        log.close()
+    if cfg.record_traces:
+        _record_traces(cfg, methods, prompts, encoded, gen)
+    return _finish(cfg, header, records)
+
+
+def _decode_all(cfg: EvalConfig, methods: list, prompts: list[Prompt], encoded: list[list[int]], hf, tok, gen,
+                log: JsonlLog, records: list[dict], done: set) -> None:
+    """The one loop: every prompt, every method in the prompt's rotated order; a finished pair is skipped
+    (replayed, untimed and unrecorded, when the method learns across prompts)."""
+    by_name = {m.name: m for m in methods}
+    # a method that learns across prompts replays its finished prompts up to its last unfinished one
+    last_todo = {m.name: max((pi for pi, p in enumerate(prompts) if (m.name, p.id) not in done), default=-1)
+                 for m in methods}
+    if all(v < 0 for v in last_todo.values()):
+        return
+    replays = [m.name for m in methods if getattr(m, "stateful", False)
+               and any((m.name, p.id) in done for p in prompts[:max(last_todo[m.name], 0)])]
+    if done:
+        print(f"resuming: {len(done)} of {len(prompts) * len(methods)} records already in {cfg.records_path}"
+              + (f"; replaying their prompts through {', '.join(replays)} (learnt across prompts)" if replays else ""),
+              file=sys.stderr)
+    # warm-up so the first timed runs do not pay one-off costs (also on resume); engines directly with a
+    # fixed arm and no length controller, so no carried policy or controller learns from it
+    warm = min(8, cfg.max_new_tokens)
     hf.decode(encoded[0], 0, warm)
-    for engine in {id(m.engine): m.engine for m in methods if m.kind != "hf"}.values():
+    for m in methods:
+        if m.kind == "peer":
+            m.decode(encoded[0], 0, warm)
+    for engine in {id(m.engine): m.engine for m in methods if hasattr(m, "engine")}.values():
         engine.generate(encoded[0], Fixed(len(engine.arms), engine.max_len), warm)
-    records = []
-    bar = tqdm(total=len(prompts) * len(methods), desc="eval", unit="run", disable=args.no_progress)
+    bar = tqdm(total=len(prompts) * len(methods), initial=len(done), desc="eval", unit="run", disable=cfg.no_progress)
+    order = [m.name for m in methods]
     for pi, (p, ids) in enumerate(zip(prompts, encoded)):
-        order = methods[pi % len(methods):] + methods[:pi % len(methods)]  # rotate: noise hits all alike
-        for m in order:
-            seed = args.seed * 1_000_003 + pi
+        for name in rotated(order, pi):  # rotate: noise hits all alike
+            m = by_name[name]
+            finished = (m.name, p.id) in done
+            if finished and not (getattr(m, "stateful", False) and pi < last_todo[name]):
+                continue
+            seed = cfg.seed * 1_000_003 + pi
             gen.manual_seed(seed)
             torch.manual_seed(seed)  # HF generate samples from the global generator
-            fields = m.decode(ids, pi, args.max_new_tokens)
-            records.append({"method": m.name, "prompt_id": p.id, "category": p.category, **fields,
-                            "text": tok.decode(fields["token_ids"], skip_special_tokens=True)})
-            bar.set_postfix_str(f"{m.name[:24]} {metrics.tokens_per_s(fields['new_tokens'], fields['wall_time']):.1f} tok/s")
+            fields = m.decode(ids, pi, cfg.max_new_tokens)
+            if finished:  # a replay: its state is now where the uninterrupted run's was
+                continue
+            rec = {"method": m.name, "prompt_id": p.id, "category": p.category, **fields,
+                   "text": tok.decode(fields["token_ids"], skip_special_tokens=True)}
+            log.append(rec)
+            records.append(rec)
+            done.add((m.name, p.id))
+            tps = metrics.tokens_per_s(fields["new_tokens"], fields["wall_time"])
+            bar.set_postfix_str(f"{m.name[:24]} {tps:.1f} tok/s")
             bar.update()
     bar.close()
-    if args.record_traces:
-        _record_traces(args, methods, prompts, encoded, gen)
 
-    names = [m.name for m in methods]
-    arm_methods = [m.name for m in methods if m.kind == "arm"]
-    records += oracle_records(records, arm_methods)
-    names.append(ORACLE)
-    summary = summarize(records, names, labels, sampling.greedy)
-    warnings = timing_warnings(records, summary)
-    cats = sorted({p.category for p in prompts})
-    report = {
-        "config": {**{k: v for k, v in vars(args).items() if k != "func"}, "arm_specs": arm_specs, "arm_labels": labels,
-                   "policies": policy_specs, "reference": HF, "torch": torch.__version__,
-                   "platform": platform.platform(), "threads": torch.get_num_threads(),
-                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
-        "records": records, "summary": summary, "warnings": warnings,
-    }
-    table = markdown_table(summary, cats, warnings)
-    atomic_write_json(out, report)
-    atomic_write_text(table_path, table + "\n")
+
+def _finish(cfg: EvalConfig, header: dict, records: list[dict]) -> int:
+    report, table = build_report(header, records)
+    out, table_path = write_report(report, table, cfg.report_path)
     print(table)
-    print(f"\nreport: {out}  (table: {table_path})")
+    print(f"\nreport: {out}  (table: {table_path}; records: {cfg.records_path})")
     return 0

@@ -69,3 +69,80 @@ def iter_jsonl(path: str | os.PathLike, where: str):
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise UserError(f"{where}: {path}:{lineno} is not valid JSON ({exc.msg})") from None
+
+
+class JsonlLog:
+    """An append-only JSONL file that survives being killed: each row is one ``write`` of a whole line,
+    flushed and fsynced before :meth:`append` returns, so a crash loses at most the row being written.
+
+    :func:`read_jsonl_log` reads such a file back, dropping a torn last line. Opening takes an exclusive
+    ``flock``, so two processes never append to the same file (the second gets a clear error).
+    ``keep_bytes``: truncate to this many bytes first (the good prefix that ``read_jsonl_log`` returned,
+    cutting a torn last line); None = keep everything, 0 = start empty.
+    """
+
+    def __init__(self, path: str | os.PathLike, keep_bytes: int | None = None, *, where: str = "--out"):
+        from .errors import UserError
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(self.path, "ab")
+        try:
+            import fcntl
+            fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # not POSIX: no lock
+            pass
+        except OSError:
+            self.fh.close()
+            raise UserError(f"{where}: {self.path} is being written by another process (a run on the same "
+                            f"output still going?); wait for it or pass another path") from None
+        if keep_bytes is not None:
+            self.fh.truncate(keep_bytes)  # append mode writes at the (new) end
+            self._sync()
+
+    def _sync(self) -> None:
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+
+    def append(self, row) -> None:
+        self.fh.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+        self._sync()
+
+    def close(self) -> None:
+        if not self.fh.closed:
+            self.fh.close()  # also releases the lock
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def read_jsonl_log(path: str | os.PathLike, where: str) -> tuple[list, int, str | None]:
+    """Rows of a :class:`JsonlLog` file: ``(rows, good_bytes, note)``. A last line that is incomplete
+    (no newline) or not valid JSON is the row a killed writer left half-written: it is dropped,
+    ``good_bytes`` ends before it and ``note`` says so. A bad line anywhere else is a UserError naming
+    ``where``, the file and the line."""
+    from .errors import UserError
+    data = Path(path).read_bytes()
+    rows, pos, lineno, note = [], 0, 0, None
+    while pos < len(data):
+        end = data.find(b"\n", pos)
+        line = data[pos:] if end < 0 else data[pos:end]
+        lineno += 1
+        last = end < 0 or end == len(data) - 1
+        if line.strip():
+            try:
+                row = json.loads(line.decode("utf-8"))
+                if end < 0:
+                    raise ValueError("no newline")
+            except ValueError as exc:
+                if not last:
+                    raise UserError(f"{where}: {path}:{lineno} is not valid JSON ({exc}); the file is damaged "
+                                    f"beyond its last line") from None
+                note = f"{path}:{lineno}: dropped an incomplete last line (a write was interrupted)"
+                break
+            rows.append(row)
+        pos = len(data) if end < 0 else end + 1
+    return rows, pos, note

@@ -38,6 +38,39 @@ def test_eval_report_on_tiny_target(tiny_target_dir, tmp_path):
     assert {"rounds", "accept_lengths", "arms", "new_tokens", "token_ids", "text", "wall_time"} <= set(rec)
     assert len(rec["arms"]) == rec["rounds"] and sum(rec["accept_lengths"]) + rec["rounds"] >= rec["new_tokens"]
     assert out.with_suffix(".md").read_text().startswith("| method |")
+    cfg = rep["config"]
+    assert (cfg["device"], cfg["dtype"]) == ("cpu", "float32") and cfg["cache"] in ("static", "dynamic")
+    assert rep["complete"] is True and (tmp_path / "r.records.jsonl").exists()
+
+
+def test_eval_runs_peers_interleaved_and_checked_against_hf(tiny_target_dir, tmp_path):
+    """--peers: transformers' own speculative decoders, in the same rotated loop, lossless vs hf, with a
+    speed-up over plain generate like every method; the dynamic cache is selectable."""
+    out = tmp_path / "report.json"
+    r = run_eval("--target", tiny_target_dir, "--arms", "pld:L=3", "--policies", "",
+                 "--peers", "hf-pld:L=3;hf-early-exit:layers=1", "--cache", "dynamic", "--device", "cpu",
+                 "--dtype", "float32", "--max-new-tokens", "12", "--categories", "code,chat", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["config"]["cache"] == "dynamic" and rep["config"]["peers"] == ["hf-pld:L=3", "hf-early-exit:layers=1"]
+    assert "hf-early-exit:layers=1" in rep["config"]["peer_settings"]
+    for m in ("hf-pld:L=3", "hf-early-exit:layers=1"):
+        s = rep["summary"][m]
+        assert s["lossless"] is True and s["speedup_vs_hf"] > 0, m
+        assert f"| {m} |" in r.stdout
+    order = [[x["method"] for x in rep["records"] if x["prompt_id"] == pid] for pid in ("builtin-code", "builtin-chat")]
+    assert order[0][1:3] == ["hf-pld:L=3", "hf-early-exit:layers=1"] and order[1][0] == "hf-pld:L=3"  # rotated
+    assert (tmp_path / "records.jsonl").exists()
+
+
+def test_eval_in_bfloat16_on_cpu(tiny_target_dir, tmp_path):
+    """--dtype reaches the model (bf16 outputs need not equal fp32 ones, so losslessness is not asserted)."""
+    out = tmp_path / "b.json"
+    r = run_eval("--target", tiny_target_dir, "--arms", "pld:L=3", "--policies", "ucbspec", "--dtype", "bfloat16",
+                 "--max-new-tokens", "8", "--categories", "chat", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["config"]["dtype"] == "bfloat16" and rep["summary"]["arm:pld@3"]["new_tokens"] > 0
 
 
 def test_eval_sampling_mode_runs(tiny_target_dir, tmp_path):
@@ -171,6 +204,13 @@ def eval_error(capsys, *args) -> str:
     (["--categories", ","], "--categories: no category names given; pass a comma-separated list of: chat, code"),
     (["--categories", "code,nope"], "nope not in the suite; available: chat, code, extraction"),
     (["--policies", "ucbspec,ucbspec"], "--policies: 'ucbspec' duplicates 'ucbspec'"),
+    (["--peers", "bogus:L=2"], "unknown peer 'bogus'"),
+    (["--peers", "hf-pld:L=0"], "L must be an integer >= 1, got '0'"),
+    (["--peers", "hf-pld:L=3;hf-pld:L=3"], "duplicates"),
+    (["--peers", "hf-assisted:path=/no/such/drafter"], "/no/such/drafter"),
+    (["--device", "tpu"], "--device must be auto|cpu|cuda[:N]"),
+    (["--dtype", "fp8"], "--dtype must be auto|float32|bfloat16|float16, got 'fp8'"),
+    (["--compile", "--cache", "dynamic"], "--compile needs --cache static"),
 ])
 def test_out_of_range_values_are_one_line_errors(no_model, capsys, tmp_path, args, needle):
     assert needle in eval_error(capsys, "--out", str(tmp_path / "r.json"), *args)
@@ -186,6 +226,8 @@ def test_output_paths_are_checked_before_any_work(no_model, capsys, tmp_path):
     cases = [
         (["--out", str(folder)], "is a folder; pass a file path"),
         (["--out", str(tmp_path / "r.md")], "the markdown table is written beside the report as .md"),
+        (["--out", str(tmp_path / "r.jsonl")], "the records are written beside the report"),
+        (["--out", ok, "--record-traces", str(tmp_path / "r.records.jsonl")], "the same file as --out (records)"),
         (["--out", str(a_file / "r.json")], f"{a_file} is a file, not a folder"),
         (["--out", ok, "--record-traces", str(folder)], "--record-traces"),
         (["--out", ok, "--record-traces", ok], "--record-traces"),

@@ -1,13 +1,15 @@
-"""decode/evaluate.py: the hf reference, summaries on hand-made records, policy-spec parsing, and per-method
-state (length controllers) in a real run on the tiny target."""
+"""decode/evaluate.py and decode/report.py: summaries on hand-made records, policy-spec parsing, the hf
+reference against our engine, and per-method state (length controllers) in a real run on the tiny target."""
 import copy
 import json
 
 import pytest
 import torch
 
-from decode import evaluate as ev
+from decode import report as ev
 from decode.errors import UserError
+from decode.eval_config import parse_policy_specs
+from decode.peers import hf_generate
 
 
 def rec(method, pid, toks, fwd, wall, ids, cat="code", **kw):
@@ -71,7 +73,7 @@ def test_timing_warnings_flag_a_speedup_beyond_mat():
 def test_policies_split_on_semicolons_and_keep_parameters_together():
     from decode.policies import build_policy
     for text in ("ducb:discount=0.9,c=0.1,ucbspec", "ducb:discount=0.9,c=0.1;ucbspec", "ducb:discount=0.9, c=0.1; ucbspec"):
-        assert ev.parse_policy_specs(text) == ["ducb:discount=0.9,c=0.1", "ucbspec"], text
+        assert parse_policy_specs(text) == ["ducb:discount=0.9,c=0.1", "ucbspec"], text
     p = build_policy("ducb:discount=0.9,c=0.1", 2, 4)
     assert (p.discount, p.c) == (0.9, 0.1)
 
@@ -80,7 +82,7 @@ def test_policies_split_on_semicolons_and_keep_parameters_together():
 def test_duplicate_policies_are_refused(text):
     """Two identical policies would merge their records under one method name."""
     with pytest.raises(UserError, match="duplicates"):
-        ev.parse_policy_specs(text)
+        parse_policy_specs(text)
 
 
 @pytest.fixture(scope="module")
@@ -117,21 +119,16 @@ def test_hf_reference_equals_the_engine_and_stops_at_eos_like_it(tiny_model, one
     model.generation_config.repetition_penalty = 5.0
     model.generation_config.suppress_tokens = [free.tokens[0]]  # plain generate would never emit it
     try:
-        tokens, seconds, stopped_by = ev.hf_generate(model, ids, 16, SamplingConfig(), eos, 0)
+        tokens, seconds, stopped_by = hf_generate(model, ids, 16, SamplingConfig(), eos, 0)
         assert model.generation_config.suppress_tokens == [free.tokens[0]]  # restored after the call
     finally:
         model.generation_config = saved
     assert tokens == g.tokens and stopped_by == "eos" and seconds > 0
-    tokens, _, stopped_by = ev.hf_generate(model, ids, 16, SamplingConfig(), [], 0)
+    tokens, _, stopped_by = hf_generate(model, ids, 16, SamplingConfig(), [], 0)
     assert tokens == free.tokens and stopped_by == "length"
     torch.manual_seed(0)
-    sampled, _, _ = ev.hf_generate(model, ids, 6, SamplingConfig(0.8, 20, 0.9), [], 0)
+    sampled, _, _ = hf_generate(model, ids, 6, SamplingConfig(0.8, 20, 0.9), [], 0)
     assert len(sampled) == 6
-
-
-def test_truncate_at_eos():
-    assert ev.truncate_at_eos([4, 2, 9, 2], {2}) == ([4, 2], "eos")
-    assert ev.truncate_at_eos([4, 5], {2}) == ([4, 5], "length")
 
 
 def test_each_method_learns_its_own_length_controller(tiny_target_dir, tmp_path, one_thread):
