@@ -8,6 +8,10 @@ in those very rounds (after a device synchronisation), so they describe the real
 time is the generation's wall time minus its setup (resets + prefill), divided by its rounds; "other"
 is that minus the measured phases. "outside" = everything but the target forward and the drafting
 (issue 12 aims below 3% of a round). A warm-up generation per arm runs first and is not counted.
+
+``--cache both`` runs every arm on a static-cache and a dynamic-cache engine in one process,
+interleaved per prompt (the same model; each engine has its own target cache and arm caches), and
+adds the static ÷ dynamic tokens/s ratio per arm: a ratio measured side by side, not across runs.
 """
 from __future__ import annotations
 
@@ -52,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help=f"{DEVICES} (default: %(default)s)")
     p.add_argument("--dtype", default="auto", help=f"auto|{'|'.join(DTYPES)} (default: %(default)s)")
     p.add_argument("--verifier", default="auto", choices=BACKENDS)
-    p.add_argument("--cache", default="static", choices=CACHE_KINDS,
-                   help="KV cache of the target and of the arms that own one (default: %(default)s)")
+    p.add_argument("--cache", default="static", choices=(*CACHE_KINDS, "both"),
+                   help="KV cache of the target and of the arms that own one; 'both' compares them side by "
+                        "side (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's verification forward (needs --cache static)")
     p.add_argument("--out", help="also write the breakdown as JSON here (the table beside it as .md)")
@@ -92,6 +97,20 @@ def markdown_table(arms: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+def _engine(model, tok, specs, sampling, gen, args, cache: str) -> SpecEngine:
+    """An engine whose target and arms use ``cache`` (arms that own a cache get their own)."""
+    target = Target(model, tok, cache=cache, compile=args.compile)
+    env = ArmEnv(model, tok, sampling, gen, target_name=args.target, trust_remote_code=args.trust_remote_code,
+                 target=target, cache=cache)
+    arms = [build_arm(s, env) for s in specs]
+    labels = [a.label for a in arms]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"duplicate arms: {labels}; give drafters distinct name=... labels")
+    if any(a.uses_target_hidden for a in arms):
+        target.want_hidden = True
+    return SpecEngine(target, arms, Verifier(sampling, args.verifier, gen), _eos_ids(model, tok))
+
+
 def run(args) -> int:
     for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit), ("--threads", args.threads)):
         if v is not None and v < 1:
@@ -102,7 +121,7 @@ def run(args) -> int:
     specs = split_specs(args.arms or "")
     if not specs:
         raise UserError("no arms: pass --arms (e.g. 'pld:L=4;suffix:L=6;none')")
-    if args.compile and args.cache != "static":
+    if args.compile and args.cache != "static":  # also refuses 'both': compile would favour one side
         raise UserError("--compile needs --cache static (a dynamic cache changes shape every round)")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -116,48 +135,49 @@ def run(args) -> int:
     model, tok = load_model(args.target, dtype=dtype, device=str(device), trust_remote_code=args.trust_remote_code)
     sampling = SamplingConfig()
     gen = torch.Generator().manual_seed(0)
-    target = Target(model, tok, cache=args.cache, compile=args.compile)
-    env = ArmEnv(model, tok, sampling, gen, target_name=args.target, trust_remote_code=args.trust_remote_code,
-                 target=target, cache=args.cache)
-    arms = [build_arm(s, env) for s in specs]
-    labels = [a.label for a in arms]
-    if len(set(labels)) != len(labels):
-        raise UserError(f"duplicate arms: {labels}; give drafters distinct name=... labels")
-    if any(a.uses_target_hidden for a in arms):
-        target.want_hidden = True
-    engine = SpecEngine(target, arms, Verifier(sampling, args.verifier, gen), _eos_ids(model, tok))
+    caches = CACHE_KINDS if args.cache == "both" else (args.cache,)
+    engines = {c: _engine(model, tok, specs, sampling, gen, args, c) for c in caches}
+    labels = [a.label for a in next(iter(engines.values())).arms]
     encoded = [encode_prompt(tok, p.text) for p in prompts]
-    K = len(arms)
+    K = len(labels)
+    runs = [(c, i) for i in range(K) for c in caches]  # what one prompt decodes, in rotation
 
     def policy(i):
-        return Fixed(K, engine.max_len, arm=i)
+        return Fixed(K, engines[caches[0]].max_len, arm=i)
 
-    for i in range(K):  # warm-up (and the step-time measurement), not counted
-        engine.generate(encoded[0], policy(i), min(8, args.max_new_tokens))
-    gens: dict[int, list[Generation]] = {i: [] for i in range(K)}
+    for c, i in runs:  # warm-up (and the step-time measurement), not counted
+        engines[c].generate(encoded[0], policy(i), min(8, args.max_new_tokens))
+    gens: dict[tuple[str, int], list[Generation]] = {r: [] for r in runs}
     per_gen = []
-    bar = tqdm(total=len(encoded) * K, desc="bench-round", unit="run", disable=args.no_progress)
+    bar = tqdm(total=len(encoded) * len(runs), desc="bench-round", unit="run", disable=args.no_progress)
     for pi, (p, ids) in enumerate(zip(prompts, encoded)):
-        for i in [(pi + k) % K for k in range(K)]:  # rotate: noise hits all arms alike
-            g = engine.generate(ids, policy(i), args.max_new_tokens)
-            gens[i].append(g)
-            per_gen.append({"arm": labels[i], "prompt_id": p.id, "rounds": len(g.rounds), "new_tokens": len(g.tokens),
-                            "wall_time": g.wall_time, "setup_time": g.setup_time})
+        for c, i in runs[pi % len(runs):] + runs[:pi % len(runs)]:  # rotate: noise hits all alike
+            g = engines[c].generate(ids, policy(i), args.max_new_tokens)
+            gens[(c, i)].append(g)
+            per_gen.append({"arm": labels[i], "cache": c, "prompt_id": p.id, "rounds": len(g.rounds),
+                            "new_tokens": len(g.tokens), "wall_time": g.wall_time, "setup_time": g.setup_time})
             bar.update()
     bar.close()
-    result = {label: breakdown(gens[i]) for i, label in enumerate(labels)}
+    both = len(caches) > 1
+    result = {(f"{labels[i]} [{c}]" if both else labels[i]): breakdown(gens[(c, i)]) for c, i in runs}
+    ratios = ({labels[i]: result[f"{labels[i]} [static]"]["tokens_per_s"] / result[f"{labels[i]} [dynamic]"]["tokens_per_s"]
+               for i in range(K)} if both else None)
     table = markdown_table(result)
+    if ratios:
+        table += ("\n\n| arm | static ÷ dynamic tokens/s |\n|---|---|\n"
+                  + "\n".join(f"| {k} | {v:.3f} |" for k, v in ratios.items()))
     print(table)
     compiled = " + compile" if args.compile else ""
     print(f"\n{len(encoded)} prompt(s) x {args.max_new_tokens} new tokens, {device}/{dtype_name(dtype)}, "
-          f"{torch.get_num_threads()} thread(s), {args.cache} cache{compiled}; outside = verify + rollback + "
+          f"{torch.get_num_threads()} thread(s), {'static and dynamic' if both else args.cache} cache{compiled}; outside = verify + rollback + "
           "bookkeeping + other (draft includes model-free lookups)")
     if out is not None:
         report = {"config": {k: v for k, v in vars(args).items() if k != "func"} | {
                       "arm_specs": specs, "arm_labels": labels, "device": str(device), "dtype": dtype_name(dtype),
-                      "threads": torch.get_num_threads(), "step_time": engine.step_time, "torch": torch.__version__,
+                      "threads": torch.get_num_threads(),
+                      "step_time": {c: e.step_time for c, e in engines.items()}, "torch": torch.__version__,
                       "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
-                  "arms": result, "generations": per_gen, "table": table}
+                  "arms": result, "static_over_dynamic": ratios, "generations": per_gen, "table": table}
         atomic_write_json(out, report)
         atomic_write_text(out.with_suffix(".md"), table + "\n")
         print(f"report: {out}")

@@ -55,50 +55,32 @@ def resolve_cache(spec: str | None) -> str:
     return spec
 
 
-def parse_policy_specs(text: str) -> list[str]:
-    """``--policies`` with the arms' splitting rule (decode/specs.py split_specs: ';' between specs,
-    ',' between a spec's parameters), so ``ducb:discount=0.9,c=0.1;ucbspec`` is two policies.
-    Duplicates are refused: their records would merge under one method name."""
-    specs = split_specs(text)
+def _refuse_duplicates(flag: str, specs: list[str]) -> None:
+    """The same spec twice would merge two methods' records under one name."""
     seen = {}
     for s in specs:
         name, params = parse_spec(s)
         key = (name, tuple(sorted(params.items())))
         if key in seen:
-            raise UserError(f"--policies: '{s}' duplicates '{seen[key]}'; each policy is evaluated once")
+            raise UserError(f"{flag}: '{s}' duplicates '{seen[key]}'; each is evaluated once")
         seen[key] = s
+
+
+def parse_policy_specs(text: str) -> list[str]:
+    """``--policies`` with the arms' splitting rule (decode/specs.py split_specs: ';' between specs,
+    ',' between a spec's parameters), so ``ducb:discount=0.9,c=0.1;ucbspec`` is two policies."""
+    specs = split_specs(text)
+    _refuse_duplicates("--policies", specs)
     return specs
 
 
 def parse_peer_specs(text: str) -> list[str]:
-    """``--peers``: ';'-separated specs, checked by decode/peers.py (names, parameters, folders) when it
-    offers a checker; duplicates are refused like policies."""
+    """``--peers``: ';'-separated specs, checked by decode/peers.py before any model loads."""
     specs = split_specs(text or "")
-    seen = {}
-    for s in specs:
-        name, params = parse_spec(s)
-        key = (name, tuple(sorted(params.items())))
-        if key in seen:
-            raise UserError(f"--peers: '{s}' duplicates '{seen[key]}'; each peer is evaluated once")
-        seen[key] = s
-    if not specs:
-        return specs
-    from . import peers
-    check = getattr(peers, "check_peer_specs", None)
-    if check is not None:
-        check(specs)
-        return specs
-    # names and typed, ranged parameters (what needs the model, e.g. early exit's layer count, is checked
-    # when the peers are built, still before any decoding)
-    from .specs import bind_params
-    for s in specs:
-        name, params = parse_spec(s)
-        if name not in peers.PEERS.names():
-            raise UserError(f"unknown peer '{name}' in '{s}'; known peers: {', '.join(peers.PEERS.names())} "
-                            f"(e.g. --peers 'hf-pld:L=4;hf-early-exit:layers=4')")
-        bound = bind_params(f"peer '{s}'", name, peers.PEERS._factories[name], 2, params)
-        if "path" in bound and hasattr(peers, "_check_model_path"):
-            peers._check_model_path(s, bound["path"])
+    _refuse_duplicates("--peers", specs)
+    if specs:
+        from .peers import check_peer_specs
+        check_peer_specs(specs)
     return specs
 
 

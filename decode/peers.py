@@ -68,7 +68,7 @@ from .device import synchronize
 from .errors import UserError
 from .registry import Registry
 from .sampling import SamplingConfig
-from .specs import Range, parse_spec
+from .specs import Range, bind_params, parse_spec
 
 HF = "hf"
 
@@ -389,6 +389,19 @@ def _hf_assisted(ctx: PeerContext, name: str, path: str, L: Annotated[int, Range
 def _hf_early_exit(ctx: PeerContext, name: str, layers: Annotated[int, Range(1)],
                    L: Annotated[int, Range(1)] | None = None, schedule: str = "dsl"):
     return EarlyExitPeer(name, ctx, layers, L, schedule)
+
+
+def check_peer_specs(specs: list[str]) -> None:
+    """Names, typed and ranged parameters and drafter folders, without loading anything (what needs the
+    model, e.g. early exit's layer count, is checked by :func:`build_peers`, still before decoding)."""
+    for s in specs:
+        name, params = parse_spec(s)
+        if name not in PEERS.names():
+            raise UserError(f"unknown peer '{name}' in '{s}'; known peers: {', '.join(PEERS.names())} "
+                            f"(e.g. --peers 'hf-pld:L=4;hf-early-exit:layers=4')")
+        bound = bind_params(f"peer '{s}'", name, PEERS._factories[name], 2, params)
+        if "path" in bound:
+            _check_model_path(s, bound["path"])
 
 
 def peer_names() -> list[str]:

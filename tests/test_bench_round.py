@@ -58,6 +58,24 @@ def test_bench_round_breaks_every_arm_round_into_phases(tiny_target_dir, tmp_pat
         assert (len(gen.rounds), len(gen.tokens)) == (g["rounds"], g["new_tokens"])
 
 
+def test_bench_round_compares_both_caches_side_by_side(tiny_target_dir, tmp_path, capsys, one_thread):
+    out = tmp_path / "both.json"
+    rc = main(["bench-round", "--target", tiny_target_dir, "--arms", "pld:L=4;none", "--limit", "1",
+               "--categories", "code,chat", "--max-new-tokens", "10", "--threads", "1", "--device", "cpu",
+               "--cache", "both", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert set(rep["arms"]) == {"pld@4 [static]", "pld@4 [dynamic]", "none [static]", "none [dynamic]"}
+    for label in ("pld@4", "none"):
+        s, d = rep["arms"][f"{label} [static]"], rep["arms"][f"{label} [dynamic]"]
+        assert (s["rounds"], s["tokens"]) == (d["rounds"], d["tokens"])  # same decoding, only the cache differs
+        assert rep["static_over_dynamic"][label] == pytest.approx(s["tokens_per_s"] / d["tokens_per_s"])
+    assert {(g["arm"], g["cache"]) for g in rep["generations"]} == {
+        (a, c) for a in ("pld@4", "none") for c in ("static", "dynamic")}
+    assert "static ÷ dynamic" in capsys.readouterr().out
+    assert main(["bench-round", "--cache", "both", "--compile"]) == 2
+
+
 def test_bench_round_bad_flags(capsys):
     assert main(["bench-round", "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens" in capsys.readouterr().err
