@@ -34,7 +34,7 @@ from .policies.simple import Fixed
 from .sampling import SamplingConfig
 from .specs import split_specs
 from .suites import BUILTIN, encode_prompt, load_jsonl_suite, select
-from .target import CACHE_KINDS, Target
+from .target import CACHE_KINDS, Target, auto_cache_kind
 from .verify import BACKENDS, Verifier
 
 # (key, column title); "other" is computed, the rest come from StepTimes
@@ -56,9 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help=f"{DEVICES} (default: %(default)s)")
     p.add_argument("--dtype", default="auto", help=f"auto|{'|'.join(DTYPES)} (default: %(default)s)")
     p.add_argument("--verifier", default="auto", choices=BACKENDS)
-    p.add_argument("--cache", default="static", choices=(*CACHE_KINDS, "both"),
-                   help="KV cache of the target and of the arms that own one; 'both' compares them side by "
-                        "side (default: %(default)s)")
+    p.add_argument("--cache", default="auto", choices=("auto", *CACHE_KINDS, "both"),
+                   help="KV cache of the target and of the arms that own one; auto = static on CUDA or with "
+                        "--compile, dynamic on a CPU; 'both' compares them side by side (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's verification forward (needs --cache static)")
     p.add_argument("--out", help="also write the breakdown as JSON here (the table beside it as .md)")
@@ -121,7 +121,7 @@ def run(args) -> int:
     specs = split_specs(args.arms or "")
     if not specs:
         raise UserError("no arms: pass --arms (e.g. 'pld:L=4;suffix:L=6;none')")
-    if args.compile and args.cache != "static":  # also refuses 'both': compile would favour one side
+    if args.compile and args.cache not in ("static", "auto"):  # also refuses 'both': compile would favour one side
         raise UserError("--compile needs --cache static (a dynamic cache changes shape every round)")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -135,7 +135,8 @@ def run(args) -> int:
     model, tok = load_model(args.target, dtype=dtype, device=str(device), trust_remote_code=args.trust_remote_code)
     sampling = SamplingConfig()
     gen = torch.Generator().manual_seed(0)
-    caches = CACHE_KINDS if args.cache == "both" else (args.cache,)
+    cache = auto_cache_kind(device, args.compile) if args.cache == "auto" else args.cache
+    caches = CACHE_KINDS if cache == "both" else (cache,)
     engines = {c: _engine(model, tok, specs, sampling, gen, args, c) for c in caches}
     labels = [a.label for a in next(iter(engines.values())).arms]
     encoded = [encode_prompt(tok, p.text) for p in prompts]
@@ -169,7 +170,7 @@ def run(args) -> int:
     print(table)
     compiled = " + compile" if args.compile else ""
     print(f"\n{len(encoded)} prompt(s) x {args.max_new_tokens} new tokens, {device}/{dtype_name(dtype)}, "
-          f"{torch.get_num_threads()} thread(s), {'static and dynamic' if both else args.cache} cache{compiled}; outside = verify + rollback + "
+          f"{torch.get_num_threads()} thread(s), {'static and dynamic' if both else cache} cache{compiled}; outside = verify + rollback + "
           "bookkeeping + other (draft includes model-free lookups)")
     if out is not None:
         report = {"config": {k: v for k, v in vars(args).items() if k != "func"} | {

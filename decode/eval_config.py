@@ -46,12 +46,13 @@ def report_path(records: str | os.PathLike) -> Path:
     return p.with_name(f"{stem}.json")
 
 
-def resolve_cache(spec: str | None) -> str:
-    """None → static (decode/target.py: rollback moves a length pointer)."""
-    if spec is None:
-        return "static"
+def resolve_cache(spec: str | None, device, compile: bool) -> str:
+    """None/auto → decode/target.py auto_cache_kind (static on CUDA or with --compile, else dynamic)."""
+    if spec in (None, "auto"):
+        from .target import auto_cache_kind
+        return auto_cache_kind(device, compile)
     if spec not in CACHES:
-        raise UserError(f"--cache must be one of {', '.join(CACHES)}, got '{spec}'")
+        raise UserError(f"--cache must be one of auto, {', '.join(CACHES)}, got '{spec}'")
     return spec
 
 
@@ -138,7 +139,7 @@ class EvalConfig:
         device = resolve_device(a.get("device") or "auto")
         cfg.device = str(device)
         cfg.dtype = dtype_name(resolve_dtype(a.get("dtype") or "auto", device))
-        cfg.cache = resolve_cache(a.get("cache"))
+        cfg.cache = resolve_cache(a.get("cache"), device, cfg.compile)
         if cfg.compile and cfg.cache != "static":
             raise UserError("--compile needs --cache static (a dynamic cache changes shape every round)")
         return cfg

@@ -78,6 +78,13 @@ def crop_cache(cache, keep: int) -> None:
         cache.crop(-remove)
 
 
+def auto_cache_kind(device, compile: bool = False) -> str:
+    """``--cache auto``: static on CUDA or under torch.compile (stable shapes), dynamic on a CPU, where
+    the static cache measured 7% slower per round side by side (``bench-round --cache both``, default
+    target, 2 threads: its attention spans the whole allocation)."""
+    return "static" if compile or torch.device(device).type == "cuda" else "dynamic"
+
+
 def check_cache_kind(kind: str) -> str:
     if kind not in CACHE_KINDS:
         raise UserError(f"cache must be one of {', '.join(CACHE_KINDS)}, got '{kind}'")
