@@ -29,7 +29,7 @@ from .device import DEVICES, DTYPES
 from .engine import Generation, SpecEngine
 from .errors import UserError
 from .eval_config import CACHES, MAX_SEED, EvalConfig, differences
-from .io import JsonlLog
+from .io import JsonlLog, read_jsonl_log
 from .length import LengthController, build_length
 from .models import DEFAULT_TARGET, load_model
 from .peers import HFMethod, build_peers
@@ -277,8 +277,9 @@ def evaluate(cfg: EvalConfig) -> int:
         if not records:
             log.append(header)
         _decode_all(cfg, methods, prompts, encoded, hf, tok, gen, log, records, done)
-    except KeyboardInterrupt:
-        print(f"interrupted: {len(records)} records kept in {cfg.records_path}; run the same command again "
+    except KeyboardInterrupt:  # count what is on disk: Ctrl-C may land between a write and its bookkeeping
+        kept = len(read_jsonl_log(cfg.records_path, "--out")[0]) - 1
+        print(f"interrupted: {kept} records kept in {cfg.records_path}; run the same command again "
               f"to resume", file=sys.stderr)
         raise
     finally:

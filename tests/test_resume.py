@@ -41,7 +41,10 @@ def runs(tiny_target_dir, tmp_path_factory):
 
     out = base / "killed" / "report.json"
     records = out.with_name("records.jsonl")
-    proc = subprocess.Popen(eval_cmd(tiny_target_dir, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    # longer generations than the other tests (the last --max-new-tokens wins), so the run is still going
+    # when SIGINT lands even on a fast machine
+    proc = subprocess.Popen(eval_cmd(tiny_target_dir, out, "--max-new-tokens", "160"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE,
                             env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -104,7 +107,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(runs):
 def test_ctrl_c_keeps_every_finished_record(tiny_target_dir, tmp_path):
     out = tmp_path / "report.json"
     records = tmp_path / "records.jsonl"
-    proc = subprocess.Popen(eval_cmd(tiny_target_dir, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    # longer generations than the other tests (the last --max-new-tokens wins), so the run is still going
+    # when SIGINT lands even on a fast machine
+    proc = subprocess.Popen(eval_cmd(tiny_target_dir, out, "--max-new-tokens", "160"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -115,6 +121,8 @@ def test_ctrl_c_keeps_every_finished_record(tiny_target_dir, tmp_path):
         pytest.skip("the run finished before it could be interrupted")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished between the last poll and the signal")
     assert proc.returncode == 130, err
     rows, _, note = read_jsonl_log(records, "--out")
     assert note is None and len(rows) >= 1 + 3
