@@ -41,10 +41,7 @@ def runs(tiny_target_dir, tmp_path_factory):
 
     out = base / "killed" / "report.json"
     records = out.with_name("records.jsonl")
-    # longer generations than the other tests (the last --max-new-tokens wins), so the run is still going
-    # when SIGINT lands even on a fast machine
-    proc = subprocess.Popen(eval_cmd(tiny_target_dir, out, "--max-new-tokens", "160"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE,
+    proc = subprocess.Popen(eval_cmd(tiny_target_dir, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
