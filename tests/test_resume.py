@@ -106,9 +106,11 @@ def test_ctrl_c_keeps_every_finished_record(tiny_target_dir, tmp_path):
     records = tmp_path / "records.jsonl"
     # longer generations than the other tests (the last --max-new-tokens wins), so the run is still going
     # when SIGINT lands even on a fast machine
+    # a runner that started us in the background (no job control) has SIGINT ignored, and the child would
+    # inherit that: give it the default disposition, so Python installs its KeyboardInterrupt handler
     proc = subprocess.Popen(eval_cmd(tiny_target_dir, out, "--max-new-tokens", "160"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if records.exists() and records.read_bytes().count(b"\n") >= 1 + 3:
