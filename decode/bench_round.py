@@ -23,13 +23,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .arms import ArmEnv, build_arm
+from .arms import ArmEnv, build_arms
 from .device import DEVICES, DTYPES, dtype_name, resolve_device, resolve_dtype
 from .engine import Generation, SpecEngine
 from .errors import UserError
-from .evaluate import _eos_ids
 from .io import atomic_write_json, atomic_write_text
-from .models import DEFAULT_TARGET, load_model
+from .models import DEFAULT_TARGET, eos_token_ids, load_model
 from .policies.simple import Fixed
 from .sampling import SamplingConfig
 from .specs import split_specs
@@ -102,13 +101,10 @@ def _engine(model, tok, specs, sampling, gen, args, cache: str) -> SpecEngine:
     target = Target(model, tok, cache=cache, compile=args.compile)
     env = ArmEnv(model, tok, sampling, gen, target_name=args.target, trust_remote_code=args.trust_remote_code,
                  target=target, cache=cache)
-    arms = [build_arm(s, env) for s in specs]
-    labels = [a.label for a in arms]
-    if len(set(labels)) != len(labels):
-        raise UserError(f"duplicate arms: {labels}; give drafters distinct name=... labels")
+    arms = build_arms(specs, env)
     if any(a.uses_target_hidden for a in arms):
         target.want_hidden = True
-    return SpecEngine(target, arms, Verifier(sampling, args.verifier, gen), _eos_ids(model, tok))
+    return SpecEngine(target, arms, Verifier(sampling, args.verifier, gen), eos_token_ids(model, tok))
 
 
 def run(args) -> int:

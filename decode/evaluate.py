@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import metrics
-from .arms import ArmEnv, build_arm
+from .arms import ArmEnv, build_arms
 from .arms.none import NoSpecArm
 from .device import DEVICES, DTYPES
 from .engine import Generation, SpecEngine
@@ -31,7 +31,7 @@ from .errors import UserError
 from .eval_config import CACHES, MAX_SEED, EvalConfig, differences
 from .io import JsonlLog, read_jsonl_log
 from .length import LengthController, build_length
-from .models import DEFAULT_TARGET, load_model
+from .models import DEFAULT_TARGET, eos_token_ids, load_model
 from .peers import HFMethod, build_peers
 from .policies import build_policy
 from .policies.simple import Fixed
@@ -88,16 +88,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def _eos_ids(model, tok) -> list[int]:
-    ids = set()
-    for src in (getattr(tok, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(i) for i in src)
-    return sorted(ids)
-
-
 # ---- methods: one decode function each -----------------------------------------------------------------
 # hf (HFMethod) and the peers live in decode/peers.py; our engine's methods here.
 
@@ -145,10 +135,8 @@ def build_methods(target: Target, env: ArmEnv, arm_specs: list[str], policy_spec
                   peers: list = ()) -> tuple[list, list[str]]:
     """[hf, every peer, autoregressive, every arm, every policy]; arm and policy methods get their own
     copy of ``length`` (a copy, not a rebuild: a trained predictor is loaded once)."""
-    arms = [build_arm(s, env) for s in arm_specs]
+    arms = build_arms(arm_specs, env)
     labels = [a.label for a in arms]
-    if len(set(labels)) != len(labels):
-        raise UserError(f"duplicate arms in the pool: {labels}; give drafters distinct name=... labels")
     engine = SpecEngine(target, arms, verifier, eos)
     ar_engine = SpecEngine(target, [NoSpecArm()], verifier, eos)
     methods = [hf, *peers, EngineMethod(AR, "autoregressive", ar_engine, labels)]
@@ -219,9 +207,8 @@ def run(args) -> int:
 
 def evaluate(cfg: EvalConfig) -> int:
     """Decode every (method, prompt) pair not already in ``cfg.records_path``, appending each record as
-    it finishes, then write the report from all records. Everything is checked before a model loads."""
-    cfg.check_ranges()
-    cfg.check_outputs()
+    it finishes, then write the report from all records. ``cfg`` comes checked from
+    :meth:`EvalConfig.from_args`; what needs files (suite, records) is checked here before a model loads."""
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     length = build_length(cfg.length, cfg.seed)  # validated (and any predictor loaded) before the models
     prompts = load_jsonl_suite(cfg.suite) if cfg.suite else list(BUILTIN)
@@ -251,7 +238,7 @@ def evaluate(cfg: EvalConfig) -> int:
     env = ArmEnv(model, tok, sampling, gen, target_name=cfg.target, trust_remote_code=cfg.trust_remote_code,
                  target=target, cache=cfg.cache)
     verifier = Verifier(sampling, cfg.verifier, gen)
-    eos = _eos_ids(model, tok)
+    eos = eos_token_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     hf = HFMethod(model, sampling, eos, pad)
     peers = build_peers(cfg.peers, model, tok, sampling, eos, pad) if cfg.peers else []

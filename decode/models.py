@@ -124,6 +124,17 @@ def load_model(spec: str, *, dtype: str | torch.dtype = torch.float32, device: s
     return model, tok
 
 
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a sequence: the tokenizer's and the model's generation_config's (either may be a list)."""
+    ids: set[int] = set()
+    for v in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return sorted(ids)
+
+
 def vocab_fingerprint(tokenizer) -> str:
     """Hash of the token→id map; equal fingerprints mean drafts can be verified token-for-token."""
     vocab = tokenizer.get_vocab()

@@ -22,7 +22,8 @@ from decode.models import DEFAULT_TARGET, load_model
 from decode.sampling import SamplingConfig
 from toolkit.data.sources import GSM8KSource, iter_source
 from toolkit.data.templates import Template
-from toolkit.distill import eos_ids_of, generate_batch
+from decode.models import eos_token_ids
+from toolkit.distill import generate_batch
 
 
 def main() -> int:
@@ -44,7 +45,7 @@ def bench(args) -> int:
     model, tok = load_model(args.target, device=args.device, dtype=args.dtype)
     device = model.device
     prompts = [Template().render(tok, p.text)[1] for p in iter_source(GSM8KSource(limit=max(args.batch_sizes)))]
-    eos = eos_ids_of(model, tok)
+    eos = set(eos_token_ids(model, tok))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     def upto_eos(seq):

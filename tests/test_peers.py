@@ -174,9 +174,9 @@ def test_hf_assisted_refuses_a_drafter_with_another_vocabulary(tiny, tmp_path):
 def test_peers_on_the_default_target(smol, tiny_drafter_dir, one_thread):
     """Real SmolLM2: every peer's greedy output equals plain generate; prompt lookup on a copy prompt
     keeps several tokens per target forward (MAT > 1)."""
-    from decode.evaluate import _eos_ids
+    from decode.models import eos_token_ids
     model, tok = smol
-    eos = _eos_ids(model, tok)
+    eos = eos_token_ids(model, tok)
     ids = encode_prompt(tok, COPY_PROMPT)
     ref = P.HFMethod(model, GREEDY, eos, 0).decode(ids, 0, 40)
     assert ref["new_tokens"] >= 20

@@ -37,7 +37,7 @@ import torch
 from decode.device import dtype_name, resolve_dtype
 from decode.errors import UserError
 from decode.io import atomic_path, atomic_write_json
-from decode.models import DEFAULT_TARGET
+from decode.models import DEFAULT_TARGET, eos_token_ids
 from decode.sampling import SamplingConfig, choose_token
 
 from .config import DTypeName, check_device_spec, dump_yaml, load_recipe, resolve_device_field, task_recipe, to_dict
@@ -137,16 +137,6 @@ def load_distill_recipe(path: str | Path | None = None, overrides=(), *, task: s
 class Generation:
     ids: list[int]  # generated tokens, including the final end-of-sequence token when finish == "stop"
     finish_reason: str  # "stop" | "length"
-
-
-def eos_ids_of(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for v in (getattr(model.generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, (list, tuple)):
-            ids.update(int(x) for x in v)
-    return ids
 
 
 @torch.inference_mode()
@@ -410,7 +400,7 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
             raise UserError(f"generation: the longest prompt ({longest - gen.max_new_tokens} tokens) plus "
                             f"max_new_tokens ({gen.max_new_tokens}) exceeds the target's context of {limit}; "
                             f"lower generation.max_prompt_tokens or generation.max_new_tokens")
-        eos_ids = eos_ids_of(model, tokenizer)
+        eos_ids = set(eos_token_ids(model, tokenizer))
         from tqdm.auto import tqdm
 
         threads_before = torch.get_num_threads()

@@ -71,3 +71,12 @@ def arm_names() -> list[str]:
 def build_arm(spec: str, env: ArmEnv) -> Arm:
     name, params = parse_spec(spec)
     return ARMS.build(name, spec, env, **params)
+
+
+def build_arms(specs: list[str], env: ArmEnv) -> list[Arm]:
+    """A pool: every spec built, labels distinct (records and reports are keyed by label)."""
+    arms = [build_arm(s, env) for s in specs]
+    labels = [a.label for a in arms]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"duplicate arms in the pool: {labels}; give drafters distinct name=... labels")
+    return arms
