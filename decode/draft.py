@@ -79,6 +79,15 @@ class RoundRecord:
     max_len: int = 0  # the arm's preset speculation length γ = L (BE divides by it)
     step_time: float = 0.0  # seconds of one autoregressive step (one-token target forward): the throughput unit
     extra_target_forwards: int = 0  # target forwards an arm ran itself this round (beyond the verification)
+    # counterfactual records (decode/feedback.py): ``counterfactual`` marks a record of an arm that was NOT
+    # played (scored against the verified tokens, no target forward); ``exact`` is False when its accepted
+    # count is an estimate (sampling) rather than what playing it would have given (greedy).
+    counterfactual: bool = False
+    exact: bool = True
+    # the played round's full-information vector, arm -> record (the played arm's is this record), filled
+    # in once every scored arm's outcome is known (a round or two later); None when nothing was scored
+    feedback: "dict[int, RoundRecord] | None" = None
+
 
     @property
     def y(self) -> int:
@@ -98,7 +107,8 @@ class StepTimes:
     select: the policy's choice; draft: ``Arm.propose``; score: the target's verification forward;
     verify: the verifier (including its one host read); rollback: the target cache rollback; update:
     committing the tokens, every arm's ``observe``, the record, ``Policy.update`` and the length
-    controller; total: the whole ``step`` call (``other`` = what no phase covers)."""
+    controller (and resolving counterfactual feedback); feedback: the other arms' counterfactual
+    proposals (decode/feedback.py); total: the whole ``step`` call (``other`` = what no phase covers)."""
 
     select: float = 0.0
     draft: float = 0.0
@@ -106,6 +116,7 @@ class StepTimes:
     verify: float = 0.0
     rollback: float = 0.0
     update: float = 0.0
+    feedback: float = 0.0  # counterfactual proposals of the other arms (full-information policies only)
     total: float = 0.0
 
     @property
@@ -114,7 +125,8 @@ class StepTimes:
 
     @property
     def other(self) -> float:
-        return self.total - (self.select + self.draft + self.score + self.verify + self.rollback + self.update)
+        return self.total - (self.select + self.draft + self.score + self.verify + self.rollback + self.update
+                             + self.feedback)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from .arms.base import Arm
 from .device import synchronize
 from .draft import RoundRecord, StepResult, StepTimes
 from .errors import UserError
+from .feedback import CounterfactualScorer, PendingRound
 from .length import LengthController
 from .policies.base import Policy
 from .target import Target
@@ -41,6 +42,9 @@ class DecodeState:
     stopped_by: str = "length"  # "eos" | "length"
     start: float = 0.0  # perf_counter() when the query started (after any step-time measurement)
     setup_time: float = 0.0  # seconds of begin(): policy/controller/arm resets and the target prefill
+    # full-information feedback (decode/feedback.py): rounds whose counterfactuals are not resolved yet;
+    # None when the policy learns from the played arm only (nothing is scored)
+    pending: list[PendingRound] | None = None
 
     @property
     def remaining(self) -> int:
@@ -86,6 +90,7 @@ class SpecEngine:
         self.eos = set(int(e) for e in eos_token_ids)
         self.max_len = max(a.L for a in arms)
         self.step_time = step_time
+        self.scorer = CounterfactualScorer(arms, greedy=verifier.cfg.greedy)
 
     def _clock(self) -> float:
         """perf_counter() once the target's device has finished its queued work."""
@@ -129,12 +134,22 @@ class SpecEngine:
         start = self._clock()
         if reset_policy:
             policy.new_query()
+        full = bool(getattr(policy, "fullinfo", False))
+        if full:
+            unscored = [a.label for j, a in enumerate(self.arms) if j not in self.scorer.scorable]
+            if unscored and getattr(policy, "needs_every_arm", False):
+                raise UserError(f"policy {policy.name} learns from every arm's reward every round, but "
+                                f"{', '.join(unscored)} cannot be scored without playing them (only model-free "
+                                f"arms get counterfactual feedback); use ucbspec:fullinfo=true or thompson:"
+                                f"fullinfo=true, which learn those arms from their own rounds")
+            self.scorer.new_query()
         length.reset()
         for arm in self.arms:
             arm.reset(prompt_ids)
         # the most the target cache will hold: every token but the last, plus one round's L + 1 (sizes a static cache)
         self.target.prefill(prompt_ids, capacity=len(prompt_ids) + max_new_tokens + self.max_len + 1)
-        state = DecodeState(prompt_ids, policy, length, max_new_tokens, ctx=list(prompt_ids), start=start)
+        state = DecodeState(prompt_ids, policy, length, max_new_tokens, ctx=list(prompt_ids), start=start,
+                            pending=[] if full else None)
         state.setup_time = self._clock() - start
         return state
 
@@ -152,6 +167,13 @@ class SpecEngine:
         if keep is not None and not counterfactual:
             raise ValueError("keep= is for counterfactual steps; a live round keeps the accepted prefix")
         t_start = self._clock()
+        live_feedback = state.pending is not None and not counterfactual
+        if live_feedback:  # every scorable arm proposes from this prefix (a router reads the features first)
+            cf_drafts, cf_times, features = self.scorer.propose(state.ctx, state.remaining)
+            see = getattr(state.policy, "see", None)
+            if see is not None:
+                see(features)
+        t_sel = self._clock()
         i = state.policy.select() if arm is None else int(arm)
         a = self.arms[i]
         ctx, remaining = state.ctx, state.remaining
@@ -171,7 +193,9 @@ class SpecEngine:
             self.target.rollback(n + outcome.accepted)
         t4 = self._clock()
         hidden = scored.hidden[:outcome.accepted + 1] if scored.hidden is not None else None
-        times = StepTimes(t0 - t_start, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        times = StepTimes(t0 - t_sel, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        if live_feedback:
+            times.feedback = t_sel - t_start
         if counterfactual:
             times.total = self._clock() - t_start
             return StepResult(i, draft, outcome, [], None, times, hidden)
@@ -191,6 +215,14 @@ class SpecEngine:
         state.rounds.append(rec)
         state.policy.update(i, rec)
         state.length.update(len(draft), outcome, arm=i)
+        if live_feedback:
+            self.scorer.observe_live(rec)
+            features.setdefault(i, (len(draft), int(getattr(a, "last_match", 0))))
+            cf_drafts.pop(i, None)
+            cf_times.pop(i, None)
+            state.pending.append(PendingRound(len(state.rounds) - 1, len(state.tokens) - len(new), remaining,
+                                              cf_drafts, cf_times, features))
+            self._deliver(state)
         t5 = self._clock()
         times.update, times.total = t5 - t4, t5 - t_start
         state.times.append(times)
@@ -206,6 +238,13 @@ class SpecEngine:
             state.length.observe_target(hidden[-1])
         for a in self.arms:
             a.observe(state.ctx, hidden if a.uses_target_hidden else None)
+
+    def _deliver(self, state: DecodeState) -> None:
+        """Resolve counterfactual drafts against the tokens emitted so far and hand every completed
+        round's reward vector to the policy (decode/feedback.py)."""
+        for p in self.scorer.resolve(state.pending, state.rounds, state.tokens, finished=state.done):
+            rec = state.rounds[p.round_index]
+            state.policy.update_full(rec.arm, rec.feedback, p.features)
 
     def finish(self, state: DecodeState) -> Generation:
         """The query's Generation; wall_time runs from begin() to now."""

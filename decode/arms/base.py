@@ -40,6 +40,10 @@ class Arm:
     name: str = "arm"
     uses_target_hidden: bool = False
     target_forwards: int = 0  # target forwards this arm ran itself (counted in MAT by the engine)
+    # its draft is a deterministic function of the context (model-free), so what it would have yielded in
+    # any round can be scored against the verified tokens without a forward (decode/feedback.py)
+    free_counterfactual: bool = False
+    last_match: int = 0  # length of the context match behind the last draft (a routing feature; 0 = none)
 
     def __init__(self, L: int):
         if L < 0:

@@ -14,6 +14,7 @@ class PromptLookupArm(Arm):
     text being generated better than the first match HF's prompt lookup uses)."""
 
     name = "pld"
+    free_counterfactual = True
 
     def __init__(self, L: int = 4, max_ngram: int = 3, min_ngram: int = 1):
         super().__init__(L)
@@ -24,6 +25,7 @@ class PromptLookupArm(Arm):
     def propose(self, context, max_len, keep_going=None) -> Draft:
         L = min(self.L, max_len)
         n_ctx = len(context)
+        self.last_match = 0
         if L <= 0:
             return Draft.empty()
         for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
@@ -33,6 +35,7 @@ class PromptLookupArm(Arm):
                 if context[start:start + n] == pattern:
                     cont = context[start + n:start + n + L]
                     if cont:
+                        self.last_match = n
                         return Draft(_truncate(cont, keep_going))
                     break
         return Draft.empty()

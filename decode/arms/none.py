@@ -7,6 +7,7 @@ from .base import Arm, ArmEnv, register
 
 class NoSpecArm(Arm):
     name = "none"
+    free_counterfactual = True
 
     def __init__(self):
         super().__init__(0)

@@ -82,6 +82,7 @@ class SuffixAutomaton:
 
 class SuffixArm(Arm):
     name = "suffix"
+    free_counterfactual = True
 
     def __init__(self, L: int = 8, min_match: int = 2):
         super().__init__(L)
@@ -100,10 +101,12 @@ class SuffixArm(Arm):
 
     def propose(self, context, max_len, keep_going=None) -> Draft:
         L = min(self.L, max_len)
+        self.last_match = 0
         if L <= 0:
             return Draft.empty()
         self._sync(context)
         length, end = self.sa.match()
+        self.last_match = length
         if length < self.min_match or end < 0:
             return Draft.empty()
         cont = context[end + 1:end + 1 + L]

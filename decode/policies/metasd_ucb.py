@@ -15,6 +15,7 @@ from .base import Policy, register
 
 @register("metasd_ucb")
 class MetaSDUCB(Policy):
+    supports_fullinfo = True
     default_reward = "bd"
 
     def __init__(self, n_arms, max_len, seed=0, c: float = 0.01, **kw):
@@ -31,10 +32,11 @@ class MetaSDUCB(Policy):
         self.sum_r[arm] += self.reward.unit(value)
 
     def scores(self) -> np.ndarray:
-        n = self.pulls
+        n = self.n_obs
         return self.sum_r / n + self.c * np.sqrt(2 * math.log(self.t) / n)
 
     def select(self) -> int:
-        if self.t < self.K:
-            return self.t
+        first = self.first_unobserved()
+        if first is not None:
+            return first
         return int(np.argmax(self.scores()))

@@ -13,6 +13,7 @@ from .base import Policy, register
 
 @register("thompson")
 class Thompson(Policy):
+    supports_fullinfo = True
     default_reward = "bd"
 
     def __init__(self, n_arms, max_len, seed=0, alpha: float = 1.0, beta: float = 1.0, **kw):

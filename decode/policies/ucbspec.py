@@ -19,6 +19,7 @@ def ucbspec_radius(L: float, n: int, t: int, K: int, delta: float) -> float:
 
 @register("ucbspec")
 class UCBSpec(Policy):
+    supports_fullinfo = True
     def __init__(self, n_arms, max_len, seed=0, delta: float = 0.5, **kw):
         if not 0 < delta <= 1:  # a confidence level; δ > 1 can make the radius' log negative
             raise UserError(f"ucbspec: delta must be in (0, 1], got {delta}")
@@ -34,11 +35,12 @@ class UCBSpec(Policy):
 
     def scores(self) -> np.ndarray:
         span = self.reward.hi - self.reward.lo  # = L for Y
-        mean = self.sum_y / self.pulls
-        cr = np.array([ucbspec_radius(span, int(n), self.t, self.K, self.delta) for n in self.pulls])
+        mean = self.sum_y / self.n_obs
+        cr = np.array([ucbspec_radius(span, int(n), self.t, self.K, self.delta) for n in self.n_obs])
         return mean + cr
 
     def select(self) -> int:
-        if self.t < self.K:  # rounds 1..K: each arm once
-            return self.t
+        first = self.first_unobserved()  # rounds 1..K: each arm once (fewer when counterfactuals filled some)
+        if first is not None:
+            return first
         return int(np.argmax(self.scores()))

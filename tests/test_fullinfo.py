@@ -1,0 +1,193 @@
+"""Full-information arm selection: counterfactual feedback equals playing the arm, the policies' update
+rules against hand-computed cases, losslessness unaffected (decode/feedback.py, decode/policies/hedge.py,
+decode/policies/router.py)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from decode.arms import ArmEnv, build_arm
+from decode.arms.model import DrafterModelArm
+from decode.draft import RoundRecord
+from decode.engine import SpecEngine
+from decode.errors import UserError
+from decode.feedback import match_length
+from decode.policies import build_policy
+from decode.policies.hedge import normalhedge_scale
+from decode.policies.router import bucket
+from decode.sampling import SamplingConfig
+from decode.target import Target
+from decode.verify import Verifier
+from helpers import TinyTokenizer, plain_greedy, tiny_llama
+
+GREEDY = SamplingConfig()
+POOL = ("none", "pld:L=4", "suffix:L=6,min_match=1", "pld:L=2,n=1")
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9, 11, 7], [5, 6]]
+FULLINFO = ["hedge", "hedge:play=argmax", "normalhedge", "ftl", "router", "ucbspec:fullinfo=true",
+            "thompson:fullinfo=true,reward=tokens", "metasd_ucb:fullinfo=true,reward=be"]
+
+
+def _engine(model, sampling=GREEDY, pool=POOL, eos=()):
+    env = ArmEnv(model, TinyTokenizer(64), sampling, generator=torch.Generator().manual_seed(0))
+    return SpecEngine(Target(model), [build_arm(s, env) for s in pool],
+                      Verifier(sampling, generator=torch.Generator().manual_seed(1)), eos_token_ids=eos, step_time=0.05)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # a peaked LM head makes the tiny model repeat itself, so drafts get accepted and matches are long
+    return tiny_llama(seed=1, peaked=8.0)
+
+
+def test_match_length_is_final_only_when_decided():
+    assert match_length([1, 2, 3], [1, 2, 9]) == (2, True)  # mismatch seen
+    assert match_length([1, 2], [1, 2, 3]) == (2, True)  # every draft token compared
+    assert match_length([1, 2, 3], [1, 2]) == (2, False)  # agrees with all emitted so far: wait
+    assert match_length([], [4]) == (0, True)
+
+
+@pytest.mark.parametrize("policy", FULLINFO)
+def test_greedy_lossless_with_full_information(model, policy):
+    eng = _engine(model)
+    for prompt in PROMPTS:
+        gen = eng.generate(prompt, build_policy(policy, len(eng.arms), eng.max_len, seed=3), 40)
+        assert gen.tokens == plain_greedy(model, prompt, 40)
+        assert all(r.feedback is not None and set(r.feedback) == set(range(len(POOL))) for r in gen.rounds)
+
+
+@pytest.mark.parametrize("eos", [(), (3,)])
+def test_counterfactual_equals_playing_the_arm_from_that_prefix(model, eos):
+    """Every counterfactual record says what a live round of that arm from the same prefix gives."""
+    eng = _engine(model, eos=eos)
+    checked = accepted_any = 0
+    for prompt in PROMPTS:
+        gen = eng.generate(prompt, build_policy("hedge", len(eng.arms), eng.max_len, seed=0), 30)
+        start = 0
+        for rec in gen.rounds:
+            for j, cf in rec.feedback.items():
+                if j == rec.arm:
+                    assert cf is rec
+                    continue
+                assert cf.counterfactual and cf.exact and cf.arm == j
+                prefix = prompt + gen.tokens[:start]
+                state = eng.begin(prefix, build_policy("fixed", len(eng.arms), eng.max_len), 30 - start)
+                live = eng.step(state, arm=j).record
+                assert (cf.drafted, cf.accepted, cf.new_tokens) == (live.drafted, live.accepted, live.new_tokens), \
+                    (j, start)
+                checked += 1
+                accepted_any += cf.accepted > 0
+            start += rec.new_tokens
+    assert checked > 20 and accepted_any > 5  # the check covered real, accepted drafts
+
+
+def test_counterfactuals_under_sampling_are_flagged_estimates(model):
+    sampling = SamplingConfig(temperature=1.0)
+    eng = _engine(model, sampling)
+    gen = eng.generate(PROMPTS[0], build_policy("ucbspec:fullinfo=true", len(eng.arms), eng.max_len), 24)
+    cfs = [cf for r in gen.rounds for cf in r.feedback.values() if cf.counterfactual]
+    assert cfs and not any(cf.exact for cf in cfs)
+    assert all(not r.exact is False for r in gen.rounds)  # live records are what happened
+
+
+def test_feedback_cost_is_timed_and_only_paid_by_full_information_policies(model):
+    eng = _engine(model)
+    full = eng.generate(PROMPTS[0], build_policy("hedge", len(eng.arms), eng.max_len), 20)
+    bandit = eng.generate(PROMPTS[0], build_policy("ucbspec", len(eng.arms), eng.max_len), 20)
+    assert all(t.feedback > 0 for t in full.step_times)
+    assert all(t.feedback == 0 for t in bandit.step_times)
+    assert all(r.feedback is None for r in bandit.rounds)
+
+
+def test_hedge_refuses_arms_it_cannot_score_and_ucb_learns_them_from_plays(model):
+    env = ArmEnv(model, TinyTokenizer(64), GREEDY)
+    arms = [build_arm("pld:L=3", env), DrafterModelArm(tiny_llama(seed=2), GREEDY, 3)]
+    eng = SpecEngine(Target(model), arms, Verifier(GREEDY), step_time=0.05)
+    with pytest.raises(UserError, match=r"drafter@3 cannot be scored"):
+        eng.generate(PROMPTS[0], build_policy("hedge", 2, eng.max_len), 10)
+    gen = eng.generate(PROMPTS[0], build_policy("ucbspec:fullinfo=true", 2, eng.max_len), 16)
+    assert gen.tokens == plain_greedy(model, PROMPTS[0], 16)
+    assert all(set(r.feedback) == {0, r.arm} for r in gen.rounds)
+
+
+def test_bandit_only_policies_refuse_fullinfo():
+    for spec in ("exp3:fullinfo=true", "exp3spec:fullinfo=true", "sh:fullinfo=true", "ducb:fullinfo=true"):
+        with pytest.raises(UserError, match="cannot take full-information feedback"):
+            build_policy(spec, 3, 4)
+    with pytest.raises(UserError, match="fullinfo=false is not an option"):
+        build_policy("hedge:fullinfo=false", 3, 4)
+
+
+# ---- update rules, hand-computed --------------------------------------------------------------------------
+
+def _rec(arm, new, L=4):
+    return RoundRecord(arm, L, new - 1, new, 0.0, 0.05, [], [], L, step_time=0.05)
+
+
+def _feed(pol, rewards_by_round, played=0):
+    """Rounds of full vectors: rewards_by_round[s][j] = tokens arm j yields in round s."""
+    for row in rewards_by_round:
+        recs = {j: _rec(j, y) for j, y in enumerate(row)}
+        pol.update(played, recs[played])
+        pol.update_full(played, recs)
+
+
+def test_hedge_weights_are_exponential_in_cumulative_unit_reward():
+    pol = build_policy("hedge", 3, 4)  # tokens reward on [1, 5]: unit = (y − 1) / 4
+    _feed(pol, [[5, 1, 3], [3, 1, 3]])
+    G = np.array([1.0 + 0.5, 0.0, 0.5 + 0.5])
+    eta = math.sqrt(8 * math.log(3) / 2)
+    w = np.exp(eta * G) / np.exp(eta * G).sum()
+    assert np.allclose(pol.weights(), w)
+    assert pol.rounds == 2 and list(pol.n_obs) == [2, 2, 2] and list(pol.pulls) == [2, 0, 0]
+
+
+def test_normalhedge_scale_solves_its_equation_and_weights_follow():
+    R = np.array([0.7, -0.2, 0.3])
+    c = normalhedge_scale(R)
+    Rp = np.maximum(R, 0)
+    assert np.mean(np.exp(Rp ** 2 / (2 * c))) == pytest.approx(math.e, rel=1e-8)
+    pol = build_policy("normalhedge", 3, 4)
+    assert np.allclose(pol.weights(), 1 / 3)  # no positive regret yet: uniform
+    _feed(pol, [[5, 1, 3]])  # unit rewards 1, 0, .5; weighted mean under uniform = .5
+    assert np.allclose(pol.R, [0.5, -0.5, 0.0])
+    c = normalhedge_scale(pol.R)
+    w = np.array([0.5 / c * math.exp(0.25 / (2 * c)), 0, 0])
+    assert np.allclose(pol.weights(), w / w.sum())  # only the arm with positive regret has weight
+    _feed(pol, [[1, 5, 1]])  # now weights are (1, 0, 0): mean = arm 0's unit reward 0
+    assert np.allclose(pol.R, [0.5, 0.5, 0.0])
+
+
+def test_ftl_follows_the_best_mean_with_a_floor():
+    pol = build_policy("ftl:floor=0", 3, 4)
+    assert pol.select() == 0  # nothing observed: the first arm
+    _feed(pol, [[2, 4, 3], [2, 4, 5]])
+    assert pol.select() == 1  # means 1.0 (y) vs 4.0 vs 4.0 → ties by index; arm 1 first
+    _feed(pol, [[2, 4, 5]])
+    assert pol.select() == 2
+    floored = build_policy("ftl:floor=1,seed=5", 3, 4)
+    _feed(floored, [[1, 1, 5]])
+    picks = {floored.select() for _ in range(50)}
+    assert picks == {0, 1, 2}  # floor=1: uniform
+
+
+def test_router_learns_which_arm_wins_in_which_context():
+    pol = build_policy("router:c=0", 2, 4)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        long_match = bool(rng.random() < 0.5)
+        feats = {0: (4, 3 if long_match else 1), 1: (2, 5)}
+        pol.see(feats)
+        arm = pol.select()
+        # arm 0 (a long pld draft) pays only after a long match; arm 1 is steady
+        recs = {0: _rec(0, 5 if long_match else 1), 1: _rec(1, 3)}
+        pol.update(arm, recs[arm])
+        pol.update_full(arm, recs, feats)
+    pol.see({0: (4, 3), 1: (2, 5)})
+    assert pol.select() == 0
+    pol.see({0: (4, 1), 1: (2, 5)})
+    assert pol.select() == 1
+
+
+def test_router_buckets():
+    assert [bucket(x) for x in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 100)] == [0, 1, 2, 3, 3, 4, 4, 5, 5, 6, 6]
