@@ -9,6 +9,13 @@ Two kinds of instances:
 - replay (``--traces FILE`` from ``decode eval --record-traces``): every prompt's counterfactual
   trace is an instance; from position m arm i yields the recorded Y (see decode/traces.py).
 
+Full information (hedge, normalhedge, ftl, router, ``fullinfo=true``): after each round the policy also
+gets every other arm's record from the same position (synthetic: that arm's next draw; replay: its
+recorded entry), as the engine's counterfactual scoring gives it (decode/feedback.py). A router sees
+each arm's draft length before choosing. ``round-oracle`` — the per-round oracle, which plays the arm
+with the most tokens (``--measure time``: tokens per second) in each round with the round's outcomes
+in view — bounds every policy, and the table reports regret against it too.
+
 Policies are anytime (none knows the length), so one run to the longest length gives the stopping
 time ST(n) for every shorter length n as well. Regret(n) = mean ST_policy(n) − min_i mean ST_i(n)
 (fixed arm i, same random streams). The 95% interval is mean ± 1.96·sd/sqrt(runs) of the paired
@@ -121,19 +128,69 @@ class ReplayInstance:
                            s.tv, s.accept_prob, self.L[arm], step_time=self.step_time)
 
 
+ROUND_ORACLE = "round-oracle"
+
+
+class RoundOracle:
+    """The per-round oracle: every round, the arm whose outcome in THIS round is best (most tokens, or
+    most tokens per second with ``by_time``), chosen with the outcomes in view. Not a policy: it
+    cheats, which is what makes it an upper bound for per-round routing."""
+
+    fullinfo = True
+    lookahead = True
+
+    def __init__(self, n_arms: int, by_time: bool = False):
+        self.K, self.by_time = n_arms, by_time
+        self.records = {}
+
+    def new_query(self):
+        self.records = {}
+
+    def see_outcomes(self, records):
+        self.records = records
+
+    def select(self) -> int:
+        def score(r):
+            return r.new_tokens / max(r.time, 1e-12) if self.by_time else r.new_tokens
+        return max(range(self.K), key=lambda j: (score(self.records[j]), -j))
+
+    def update(self, arm, record):
+        pass
+
+    def update_full(self, played, records, features=None):
+        pass
+
+
 def run_policy(policy, inst) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Play one query to the instance's length. Returns (arm per round, cumulative tokens, cumulative
-    time: drafting + verification of every round so far)."""
+    time: drafting + verification of every round so far). A full-information policy gets every arm's
+    record of the round (``update_full``); arm j's k-th observation, played or not, is its k-th draw."""
     policy.new_query()
     n_max = inst.length
-    pulls = [0] * inst.K
+    obs = [0] * inst.K
     pos = 0
     arms, news, times = [], [], []
+    full = getattr(policy, "fullinfo", False)
     while pos < n_max:
-        i = policy.select()
-        rec = inst.step(i, pos, pulls[i], n_max - pos)
-        pulls[i] += 1
-        policy.update(i, rec)
+        if full:
+            recs = {j: inst.step(j, pos, obs[j], n_max - pos) for j in range(inst.K)}
+            for j in range(inst.K):
+                obs[j] += 1
+            if getattr(policy, "lookahead", False):
+                policy.see_outcomes(recs)
+            if hasattr(policy, "see"):
+                policy.see({j: (r.drafted, 0) for j, r in recs.items()})
+            i = policy.select()
+            rec = recs[i]
+            for j, r in recs.items():
+                r.counterfactual = j != i
+            policy.update(i, rec)
+            policy.update_full(i, recs, {j: (r.drafted, 0) for j, r in recs.items()})
+        else:
+            i = policy.select()
+            rec = inst.step(i, pos, obs[i], n_max - pos)
+            obs[i] += 1
+            policy.update(i, rec)
         pos += rec.new_tokens
         arms.append(i)
         news.append(rec.new_tokens)
@@ -160,7 +217,7 @@ def simulate(instances_by_seed, policy_specs: list[str], n_arms: int, max_len: i
     Returns per-method stopping times [instance, seed, length], best-arm ratios and the number of
     replayed rounds that started at unrecorded positions."""
     make, seeds = instances_by_seed
-    methods = [f"fixed:arm={i}" for i in range(n_arms)] + policy_specs
+    methods = [f"fixed:arm={i}" for i in range(n_arms)] + [ROUND_ORACLE] + policy_specs
     st = {m: [] for m in methods}
     best_ratio = {m: [] for m in policy_specs}
     approx = 0
@@ -173,8 +230,12 @@ def simulate(instances_by_seed, policy_specs: list[str], n_arms: int, max_len: i
             inst = mk(s)  # instances are read-only during a run: every method replays the same draws
             for m in methods:
                 inst.approx = 0
-                pol = Fixed(n_arms, max_len, seed=s, arm=int(m.split("=")[1])) if m.startswith("fixed:") \
-                    else build_policy(m, n_arms, max_len, seed=s)
+                if m == ROUND_ORACLE:
+                    pol = RoundOracle(n_arms, by_time=measure == "time")
+                elif m.startswith("fixed:"):
+                    pol = Fixed(n_arms, max_len, seed=s, arm=int(m.split("=")[1]))
+                else:
+                    pol = build_policy(m, n_arms, max_len, seed=s)
                 arms, cum, cum_time = run_policy(pol, inst)
                 approx += getattr(inst, "approx", 0)
                 ls = lengths[lengths <= cum[-1]]
@@ -212,13 +273,15 @@ def summarize(res: dict, policy_specs: list[str], n_arms: int, lengths: np.ndarr
     out = {"lengths": lengths.tolist(), "full_lengths": res.get("full_lengths", []), "policies": {}, "fixed": {}}
     for i in range(n_arms):
         out["fixed"][labels[i]] = {"mean_st": np.nanmean(fixed[i], axis=(0, 1)).tolist()}
+    out["round_oracle"] = {"mean_st": np.nanmean(st[ROUND_ORACLE], axis=(0, 1)).tolist()}
     for m in policy_specs:
         diffs = np.full((I, S, G), np.nan)
         for ii in range(I):
             for g in range(G):
                 diffs[ii, :, g] = st[m][ii, :, g] - fixed[best[ii, g], ii, :, g]
-        reg, ci, mst = [], [], []
+        reg, ci, mst, reg_oracle = [], [], [], []
         for g in range(G):
+            reg_oracle.append(float(np.nanmean(st[m][:, :, g] - st[ROUND_ORACLE][:, :, g])))
             per_inst = [metrics.stopping_time_regret(float(np.mean(st[m][ii, :, g])), fixed_mean[:, ii, g].tolist())
                         for ii in range(I) if not np.isnan(st[m][ii, :, g]).any()]
             d = diffs[:, :, g].ravel()
@@ -226,7 +289,7 @@ def summarize(res: dict, policy_specs: list[str], n_arms: int, lengths: np.ndarr
             reg.append(float(np.mean(per_inst)) if per_inst else float("nan"))
             ci.append(_ci(d) if len(d) else float("nan"))
             mst.append(float(np.nanmean(st[m][:, :, g])))
-        out["policies"][m] = {"mean_st": mst, "regret": reg, "regret_ci95": ci,
+        out["policies"][m] = {"mean_st": mst, "regret": reg, "regret_ci95": ci, "regret_vs_round_oracle": reg_oracle,
                               "best_arm_ratio": float(np.mean(res["best_ratio"][m])),
                               "best_arm_ratio_ci95": _ci(np.asarray(res["best_ratio"][m]))}
     out["best_fixed_arm"] = [labels[b] for b in best[:, -1]] if best.size else []
@@ -239,12 +302,17 @@ def markdown_table(summary: dict, g: int = -1) -> str:
          f"each instance's full generation ({full[0]}–{full[-1]} tokens)") if g == -1 and full else \
         f"{summary['lengths'][g]} tokens"
     unit = summary.get("measure", "rounds")
-    lines = [f"Stopping time ({unit}) at {n}; regret vs the best fixed arm in hindsight (95% interval).", "",
-             "| method | mean ST | regret | 95% CI | best-arm ratio |", "|---|---:|---:|---:|---:|"]
+    lines = [f"Stopping time ({unit}) at {n}; regret vs the best fixed arm in hindsight (95% interval) and vs "
+             f"the per-round oracle.", "",
+             "| method | mean ST | regret | 95% CI | regret vs round-oracle | best-arm ratio |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, d in summary["fixed"].items():
-        lines.append(f"| fixed {name} | {d['mean_st'][g]:.1f} | | | |")
+        lines.append(f"| fixed {name} | {d['mean_st'][g]:.1f} | | | | |")
+    if "round_oracle" in summary:
+        lines.append(f"| per-round oracle | {summary['round_oracle']['mean_st'][g]:.1f} | | | | |")
     for name, d in sorted(summary["policies"].items(), key=lambda kv: kv[1]["regret"][g]):
         lines.append(f"| {name} | {d['mean_st'][g]:.1f} | {d['regret'][g]:.1f} | ±{d['regret_ci95'][g]:.1f} | "
+                     f"{d.get('regret_vs_round_oracle', [float('nan')] * (g + 1 if g >= 0 else 1))[g]:.1f} | "
                      f"{d['best_arm_ratio']:.3f} |")
     return "\n".join(lines)
 
