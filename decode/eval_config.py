@@ -22,7 +22,7 @@ MAX_SEED = 2**32 - 1
 CACHES = ("dynamic", "static")
 # fields that do not change any record, so a resumed run may differ in them; for --suite and --pool what
 # they hold is compared instead of their paths (the prompts' ids and text digests, the arm specs)
-NOT_RESULTS = ("out", "record_traces", "no_progress", "fresh", "suite", "pool")
+NOT_RESULTS = ("out", "record_traces", "no_progress", "no_plots", "fresh", "suite", "pool")
 # how a differing field is named to the user
 FLAG_NAMES = {"arms": "--arms/--pool (the arm specs)", "prompts": "the prompts (from --suite/--categories/--limit)"}
 
@@ -113,6 +113,7 @@ class EvalConfig:
     out: str = "runs/eval/report.json"
     record_traces: str | None = None
     no_progress: bool = False
+    no_plots: bool = False
     fresh: bool = False
 
     # ---- construction ---------------------------------------------------------------------------------

@@ -15,9 +15,12 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import os
 import platform
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -35,7 +38,7 @@ from .models import DEFAULT_TARGET, eos_token_ids, load_model
 from .peers import HFMethod, build_peers
 from .policies import build_policy
 from .policies.simple import Fixed
-from .report import AR, FORMAT, build_report, load_records, rotated, write_report
+from .report import AR, FORMAT, build_report, figures_note, load_records, rotated, write_report
 from .sampling import SamplingConfig
 from .suites import BUILTIN, Prompt, encode_prompt, load_jsonl_suite, select
 from .target import Target
@@ -86,6 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh", "--overwrite", dest="fresh", action="store_true",
                    help="discard the records an earlier run left at --out and start over")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true",
+                   help="skip the figures (PNG files beside the report, linked from its .md)")
 
 
 # ---- methods: one decode function each -----------------------------------------------------------------
@@ -127,6 +132,8 @@ class EngineMethod:
                 "arms": [self.labels[r.arm] for r in g.rounds] if self.kind != "autoregressive" else [],
                 "draft_time": sum(r.draft_time for r in g.rounds),
                 "verify_time": sum(r.verify_time for r in g.rounds),
+                # full-information policies: the other arms' counterfactual proposals (decode/feedback.py)
+                "feedback_time": sum(t.feedback for t in g.step_times),
                 "wall_time": g.wall_time, "stopped_by": g.stopped_by, "token_ids": g.tokens}
 
 
@@ -176,11 +183,25 @@ def _prompt_keys(prompts: list[Prompt]) -> list[list[str]]:
     return [[p.id, p.category, hashlib.sha256(p.text.encode("utf-8")).hexdigest()[:16]] for p in prompts]
 
 
+def git_state(where: str | os.PathLike | None = None) -> dict:
+    """``{"git_commit": sha, "git_dirty": bool}`` of the checkout holding this code, so a report names the
+    code that produced it; ``"unknown"``/None outside a git checkout or without git."""
+    where = where or Path(__file__).resolve().parent
+    try:
+        def git(*a):
+            return subprocess.run(["git", "-C", str(where), *a], capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        return {"git_commit": git("rev-parse", "HEAD"),
+                "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": "unknown", "git_dirty": None}
+
+
 def _environment(device: torch.device) -> dict:
     import transformers
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "platform": platform.platform(), "threads": torch.get_num_threads(),
-           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+           "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **git_state()}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     return env
@@ -254,7 +275,7 @@ def evaluate(cfg: EvalConfig) -> int:
                         f"{[m['name'] for m in header['methods']]}, this run has {names} (a drafter renamed?); "
                         f"pass another --out, or add --fresh to discard those records")
     if header is None:
-        saved = {k: v for k, v in cfg.to_dict().items() if k not in ("fresh", "no_progress")}
+        saved = {k: v for k, v in cfg.to_dict().items() if k not in ("fresh", "no_progress", "no_plots")}
         header = {"format": FORMAT, "config": saved, "prompts": keys,
                   "methods": [{"name": m.name, "kind": m.kind} for m in methods], "arm_labels": labels,
                   "peer_settings": {p.name: getattr(p, "settings", {}) for p in peers},
@@ -328,7 +349,7 @@ def _decode_all(cfg: EvalConfig, methods: list, prompts: list[Prompt], encoded: 
 
 def _finish(cfg: EvalConfig, header: dict, records: list[dict]) -> int:
     report, table = build_report(header, records)
-    out, table_path = write_report(report, table, cfg.report_path)
+    out, table_path = write_report(report, table, cfg.report_path, plots=not cfg.no_plots)
     print(table)
-    print(f"\nreport: {out}  (table: {table_path}; records: {cfg.records_path})")
+    print(f"\nreport: {out}  (table: {table_path}{figures_note(out, not cfg.no_plots)}; records: {cfg.records_path})")
     return 0

@@ -101,3 +101,24 @@ def speedup_warnings(baseline_tps: Sequence[float], baseline_tokens: int,
             out.append(f"{label}: speed-up {s:.2f}× exceeds MAT {m:.2f} × step-cost ratio {ratio:.2f} × "
                        f"{MAX_SPEEDUP_OVER_MAT} = {bound:.2f}: not explained by decoding, timing is unreliable")
     return out
+
+
+def acceptance_per_position(accepted: Iterable[int], drafted: Iterable[int]) -> list[float]:
+    """Per draft position i = 1, 2, ...: P(token i accepted | a draft reached position i), the curve EAGLE and
+    vLLM report. Over rounds (``accepted[k]`` of ``drafted[k]`` tokens, accepted ones a prefix): rounds whose
+    accepted prefix reaches i / rounds whose draft reaches i. Conditioning on the draft's length keeps arms
+    that often draft short (a PLD miss) comparable; empty when nothing was drafted."""
+    reach_drafted: list[int] = []
+    reach_accepted: list[int] = []
+    for a, d in zip(accepted, drafted, strict=True):
+        if not 0 <= a <= d:
+            raise ValueError(f"a round accepted {a} of {d} drafted tokens (needs 0 <= accepted <= drafted)")
+        if d > len(reach_drafted):
+            grow = d - len(reach_drafted)
+            reach_drafted += [0] * grow
+            reach_accepted += [0] * grow
+        for i in range(d):
+            reach_drafted[i] += 1
+        for i in range(a):
+            reach_accepted[i] += 1
+    return [acc / n for acc, n in zip(reach_accepted, reach_drafted)]

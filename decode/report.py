@@ -2,14 +2,16 @@
 one line per finished (method, prompt) pair as it goes, after a first line with the run's configuration).
 
 ``python -m decode report runs/x`` (a folder, a report .json or the records .jsonl) derives everything
-else from the records: the per-prompt ``oracle``, the summary per method, the timing warnings and the
-table. ``decode eval`` ends with the same function, so an interrupted-then-resumed run and an
-uninterrupted one give the same report (timing fields aside). A partial records file (a run still going
+else from the records: the per-prompt ``oracle``, the summary per method, the timing warnings, the
+table and the figures (decode/plots.py; report.json's fields: docs/report_schema.md). ``decode eval``
+ends with the same function, so an interrupted-then-resumed run and an uninterrupted one give the same
+report (timing fields aside). A partial records file (a run still going
 or interrupted) gives a report over the prompts every method has finished, with a warning saying so.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -22,6 +24,7 @@ HF = "hf"
 AR = "autoregressive"
 ORACLE = "oracle"
 FORMAT = "adaspec-eval-records/1"
+SCHEMA = "adaspec-eval-report/2"  # report.json's fields, documented in docs/report_schema.md
 
 
 # ---- the records file -----------------------------------------------------------------------------------------
@@ -65,9 +68,12 @@ def _aggregate(recs: list[dict]) -> dict:
     wall = sum(r["wall_time"] for r in recs)
     acc = sum(sum(r["accept_lengths"]) for r in recs)
     dr = sum(sum(r["drafted"]) for r in recs)
+    mat = metrics.mat(toks, fwd)
     return {"prompts": len(recs), "new_tokens": toks, "target_forwards": fwd, "wall_time": wall,
-            "mat": metrics.mat(toks, fwd), "tokens_per_s": metrics.tokens_per_s(toks, wall),
+            "mat": mat, "tau": mat, "tokens_per_s": metrics.tokens_per_s(toks, wall),
             "acceptance_rate": metrics.acceptance_rate(acc, dr),
+            "acceptance_per_position": metrics.acceptance_per_position(
+                [a for r in recs for a in r["accept_lengths"]], [d for r in recs for d in r["drafted"]]),
             "hm": metrics.harmonic_mean_metric(acc, dr, toks)}
 
 
@@ -183,16 +189,28 @@ def build_report(header: dict, records: list[dict]) -> tuple[dict, str]:
     if header.get("peer_settings"):
         config["peer_settings"] = header["peer_settings"]
     config.update(header.get("environment", {}))
-    report = {"config": config, "complete": len(done) == len(prompts), "records": recs, "summary": summary,
-              "warnings": warnings}
+    report = {"schema_version": SCHEMA, "config": config, "complete": len(done) == len(prompts), "records": recs,
+              "summary": summary, "warnings": warnings}
     return report, markdown_table(summary, cats, warnings)
 
 
-def write_report(report: dict, table: str, path: str | os.PathLike) -> tuple[Path, Path]:
+def figures_note(report: Path, plots: bool) -> str:
+    """``"; figures: runs/x/report.*.png"`` for the line naming a run's outputs ("" without plots)."""
+    from .plots import figure_path
+    return f"; figures: {figure_path(report, '*')}" if plots else ""
+
+
+def write_report(report: dict, table: str, path: str | os.PathLike, plots: bool = True) -> tuple[Path, Path]:
+    """report.json at ``path``, the table as .md beside it and, with ``plots``, the figures
+    (decode/plots.py) beside both, linked from the .md's "## Figures" section."""
     path = Path(path)
     table_path = path.with_suffix(".md")
     atomic_write_json(path, report)
-    atomic_write_text(table_path, table + "\n")
+    text = table + "\n"
+    if plots:
+        from .plots import figures_markdown, write_figures  # matplotlib only when drawing
+        text += "\n" + figures_markdown(write_figures(report, path))
+    atomic_write_text(table_path, text)
     return path, table_path
 
 
@@ -203,6 +221,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                 "records .jsonl")
     p.add_argument("--out", help="report JSON to write (default: the report beside the records; the markdown "
                                  "table goes beside it as .md)")
+    p.add_argument("--no-plots", action="store_true",
+                   help="skip the figures (PNG files beside the report, linked from its .md)")
 
 
 def locate_records(path: str | os.PathLike) -> Path:
@@ -220,15 +240,43 @@ def locate_records(path: str | os.PathLike) -> Path:
     return rec
 
 
-def run(args) -> int:
-    rec = locate_records(args.path)
-    header, records, _, notes = load_records(rec, where=str(args.path))
-    for n in notes:
-        print(f"note: {n}")
+def _from_records(rec: Path, where: str) -> tuple[dict, str, list[dict], list[str]]:
+    """``(report, table, records, notes)`` rebuilt from a records file."""
+    header, records, _, notes = load_records(rec, where=where)
     if header is None:
         raise UserError(f"{rec}: holds no configuration line (the run stopped before decoding anything)")
     report, table = build_report(header, records)
-    out, table_path = write_report(report, table, args.out or report_path(rec))
+    return report, table, records, notes
+
+
+def load_report(path: str | os.PathLike) -> tuple[dict, Path, list[str]]:
+    """``(report, source, notes)`` for a run given as its folder, report .json or records .jsonl: rebuilt
+    from the records when they are there (what ``decode report`` would write, in the current schema), else
+    the report .json as written (an older run kept without its records)."""
+    p = Path(path)
+    if p.is_dir() and not (p / "records.jsonl").exists() and not any(p.glob("*.records.jsonl")) \
+            and (p / "report.json").is_file():
+        p = p / "report.json"
+    if p.suffix == ".json" and p.is_file() and not records_path(p).exists():
+        try:
+            report = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path}: {p} is not a JSON report ({exc})") from exc
+        if not isinstance(report, dict) or not {"config", "summary"} <= report.keys():
+            raise UserError(f"{path}: {p} is not a `decode eval` report (it lacks 'config' and 'summary')")
+        return report, p, []
+    rec = locate_records(p)
+    report, _, _, notes = _from_records(rec, str(path))
+    return report, rec, notes
+
+
+def run(args) -> int:
+    rec = locate_records(args.path)
+    report, table, records, notes = _from_records(rec, str(args.path))
+    for n in notes:
+        print(f"note: {n}")
+    out, table_path = write_report(report, table, args.out or report_path(rec), plots=not args.no_plots)
     print(table)
-    print(f"\nreport: {out}  (table: {table_path}; from {len(records)} records in {rec})")
+    print(f"\nreport: {out}  (table: {table_path}{figures_note(out, not args.no_plots)}; from {len(records)} "
+          f"records in {rec})")
     return 0
