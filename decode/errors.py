@@ -23,3 +23,7 @@ def run_user_command(fn, *args, interrupted: str = "interrupted") -> int:
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `decode compare ... | head` closed stdout early: not an error of ours
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141

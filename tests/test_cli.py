@@ -270,3 +270,15 @@ def test_every_subcommand_help_has_a_complete_description(capsys):
                 cli.main([name, "--help"])
             assert desc in " ".join(capsys.readouterr().out.split()), name
     assert describe(None, "fallback") == "fallback"
+
+
+def test_a_reader_closing_the_pipe_early_is_not_a_traceback():
+    """`decode compare A B | head`: the reader goes away; we stop quietly (exit 141, like SIGPIPE)."""
+    import subprocess
+    import sys
+    code = ("import sys; from decode.errors import run_user_command; "
+            "sys.exit(run_user_command(lambda: [print('x' * 100) for _ in range(200000)]))")
+    p = subprocess.run(f"{sys.executable} -c \"{code}\" | head -1", shell=True, capture_output=True, text=True,
+                       executable="/bin/bash")
+    assert p.stdout == "x" * 100 + "\n"
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
