@@ -23,18 +23,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .arms import ArmEnv, build_arms
 from .device import DEVICES, DTYPES, dtype_name, resolve_device, resolve_dtype
-from .engine import Generation, SpecEngine
+from .engine import Generation, build_engine
 from .errors import UserError
 from .io import atomic_write_json, atomic_write_text
-from .models import DEFAULT_TARGET, eos_token_ids, load_model
+from .models import DEFAULT_TARGET, load_model
 from .policies.simple import Fixed
 from .sampling import SamplingConfig
 from .specs import split_specs
 from .suites import BUILTIN, encode_prompt, load_jsonl_suite, select
-from .target import CACHE_KINDS, Target, auto_cache_kind
-from .verify import BACKENDS, Verifier
+from .target import CACHE_KINDS, auto_cache_kind
+from .verify import BACKENDS
 
 # (key, column title); "other" is computed, the rest come from StepTimes
 PHASES = [("draft", "draft"), ("target_forward", "target fwd"), ("verify", "verify"), ("rollback", "rollback"),
@@ -96,17 +95,6 @@ def markdown_table(arms: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
-def _engine(model, tok, specs, sampling, gen, args, cache: str) -> SpecEngine:
-    """An engine whose target and arms use ``cache`` (arms that own a cache get their own)."""
-    target = Target(model, tok, cache=cache, compile=args.compile)
-    env = ArmEnv(model, tok, sampling, gen, target_name=args.target, trust_remote_code=args.trust_remote_code,
-                 target=target, cache=cache)
-    arms = build_arms(specs, env)
-    if any(a.uses_target_hidden for a in arms):
-        target.want_hidden = True
-    return SpecEngine(target, arms, Verifier(sampling, args.verifier, gen), eos_token_ids(model, tok))
-
-
 def run(args) -> int:
     for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit), ("--threads", args.threads)):
         if v is not None and v < 1:
@@ -133,7 +121,8 @@ def run(args) -> int:
     gen = torch.Generator().manual_seed(0)
     cache = auto_cache_kind(device, args.compile) if args.cache == "auto" else args.cache
     caches = CACHE_KINDS if cache == "both" else (cache,)
-    engines = {c: _engine(model, tok, specs, sampling, gen, args, c) for c in caches}
+    engines = {c: build_engine(model, tok, specs, sampling, gen, cache=c, compile=args.compile, verifier=args.verifier,
+                               target_name=args.target, trust_remote_code=args.trust_remote_code) for c in caches}
     labels = [a.label for a in next(iter(engines.values())).arms]
     encoded = [encode_prompt(tok, p.text) for p in prompts]
     K = len(labels)

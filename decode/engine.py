@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .arms.base import Arm
+from .arms.base import Arm, ArmEnv, build_arms
 from .device import synchronize
 from .draft import RoundRecord, StepResult, StepTimes
 from .errors import UserError
 from .feedback import CounterfactualScorer, PendingRound
 from .length import LengthController
+from .models import eos_token_ids
 from .policies.base import Policy
+from .sampling import SamplingConfig
 from .target import Target
 from .verify import Verifier
 
@@ -262,3 +264,17 @@ class SpecEngine:
         while not state.done:
             self.step(state)
         return self.finish(state)
+
+
+def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfig, generator: torch.Generator, *,
+                 cache: str, compile: bool = False, verifier: str = "auto", target_name: str = "target",
+                 trust_remote_code: bool = False, needs_hidden: bool = False) -> SpecEngine:
+    """The engine a command decodes with: the target wrapper (``cache`` kind, optionally compiled), the arm
+    pool built from ``arm_specs`` (arms that own a cache use the same kind), the verifier and the EOS ids.
+    The target returns hidden states when an arm or ``needs_hidden`` (a length controller) reads them."""
+    target = Target(model, tokenizer, want_hidden=False, cache=cache, compile=compile)
+    env = ArmEnv(model, tokenizer, sampling, generator, target_name=target_name,
+                 trust_remote_code=trust_remote_code, target=target, cache=cache)
+    arms = build_arms(arm_specs, env)
+    target.want_hidden = needs_hidden or any(a.uses_target_hidden for a in arms)
+    return SpecEngine(target, arms, Verifier(sampling, verifier, generator), eos_token_ids(model, tokenizer))

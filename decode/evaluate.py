@@ -26,24 +26,22 @@ import torch
 from tqdm.auto import tqdm
 
 from . import metrics
-from .arms import ArmEnv, build_arms
 from .arms.none import NoSpecArm
 from .device import DEVICES, DTYPES
-from .engine import Generation, SpecEngine
+from .engine import Generation, SpecEngine, build_engine
 from .errors import UserError
 from .eval_config import CACHES, MAX_SEED, EvalConfig, differences
 from .io import JsonlLog, read_jsonl_log
 from .length import LengthController, build_length
-from .models import DEFAULT_TARGET, eos_token_ids, load_model
+from .models import DEFAULT_TARGET, eos_token_ids, load_model, pad_token_id
 from .peers import HFMethod, build_peers
 from .policies import build_policy
 from .policies.simple import Fixed
 from .report import AR, FORMAT, build_report, figures_note, load_records, rotated, write_report
 from .sampling import SamplingConfig
 from .suites import BUILTIN, Prompt, encode_prompt, load_jsonl_suite, select
-from .target import Target
 from .traces import record_trace, write_traces
-from .verify import BACKENDS, Verifier
+from .verify import BACKENDS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,15 +135,13 @@ class EngineMethod:
                 "wall_time": g.wall_time, "stopped_by": g.stopped_by, "token_ids": g.tokens}
 
 
-def build_methods(target: Target, env: ArmEnv, arm_specs: list[str], policy_specs: list[str], verifier: Verifier,
-                  eos: list[int], length: LengthController, seed: int, hf: HFMethod,
+def build_methods(engine: SpecEngine, policy_specs: list[str], length: LengthController, seed: int, hf: HFMethod,
                   peers: list = ()) -> tuple[list, list[str]]:
-    """[hf, every peer, autoregressive, every arm, every policy]; arm and policy methods get their own
-    copy of ``length`` (a copy, not a rebuild: a trained predictor is loaded once)."""
-    arms = build_arms(arm_specs, env)
+    """[hf, every peer, autoregressive, every arm of ``engine``, every policy]; arm and policy methods get
+    their own copy of ``length`` (a copy, not a rebuild: a trained predictor is loaded once)."""
+    arms = engine.arms
     labels = [a.label for a in arms]
-    engine = SpecEngine(target, arms, verifier, eos)
-    ar_engine = SpecEngine(target, [NoSpecArm()], verifier, eos)
+    ar_engine = SpecEngine(engine.target, [NoSpecArm()], engine.verifier, engine.eos)
     methods = [hf, *peers, EngineMethod(AR, "autoregressive", ar_engine, labels)]
     methods += [EngineMethod(f"arm:{lab}", "arm", engine, labels, arm=i, length=copy.deepcopy(length))
                 for i, lab in enumerate(labels)]
@@ -255,18 +251,14 @@ def evaluate(cfg: EvalConfig) -> int:
     torch.manual_seed(cfg.seed)
     model, tok = load_model(cfg.target, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
     gen = torch.Generator().manual_seed(cfg.seed)
-    target = Target(model, tok, want_hidden=False, cache=cfg.cache, compile=cfg.compile)
-    env = ArmEnv(model, tok, sampling, gen, target_name=cfg.target, trust_remote_code=cfg.trust_remote_code,
-                 target=target, cache=cfg.cache)
-    verifier = Verifier(sampling, cfg.verifier, gen)
+    engine = build_engine(model, tok, cfg.arms, sampling, gen, cache=cfg.cache, compile=cfg.compile,
+                          verifier=cfg.verifier, target_name=cfg.target, trust_remote_code=cfg.trust_remote_code,
+                          needs_hidden=length.needs_target_hidden)
     eos = eos_token_ids(model, tok)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+    pad = pad_token_id(tok, eos)
     hf = HFMethod(model, sampling, eos, pad)
     peers = build_peers(cfg.peers, model, tok, sampling, eos, pad) if cfg.peers else []
-    methods, labels = build_methods(target, env, cfg.arms, cfg.policies, verifier, eos, length, cfg.seed, hf, peers)
-    arm_engine = next(m.engine for m in methods if m.kind == "arm")
-    if any(a.uses_target_hidden for a in arm_engine.arms) or length.needs_target_hidden:
-        target.want_hidden = True
+    methods, labels = build_methods(engine, cfg.policies, length, cfg.seed, hf, peers)
     encoded = [encode_prompt(tok, p.text) for p in prompts]
 
     names = [m.name for m in methods]

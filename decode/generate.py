@@ -19,21 +19,20 @@ from typing import Callable, Iterator, TextIO
 import torch
 
 from . import metrics
-from .arms import ArmEnv, arm_names, build_arms
+from .arms import arm_names
 from .device import DEVICES, DTYPES, dtype_name, resolve_device, resolve_dtype
-from .engine import Generation, SpecEngine
+from .engine import Generation, build_engine
 from .errors import UserError
 from .eval_config import CACHES, MAX_SEED, EvalConfig, resolve_cache
 from .length import build_length
-from .models import DEFAULT_TARGET, eos_token_ids, load_model
+from .models import DEFAULT_TARGET, eos_token_ids, load_model, pad_token_id
 from .peers import hf_generate
 from .policies import build_policy
 from .policies.simple import Fixed
 from .sampling import SamplingConfig
 from .specs import parse_spec, split_specs
 from .suites import encode_prompt
-from .target import Target
-from .verify import BACKENDS, Verifier
+from .verify import BACKENDS
 
 PROMPT = ">>> "
 DEFAULT_ARMS = "pld:L=4;suffix:L=6"  # model-free, so it runs on any target with nothing trained
@@ -277,18 +276,16 @@ class Session:
         torch.manual_seed(args.seed)
         model, tok = load_model(args.target, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
         self.gen = torch.Generator().manual_seed(args.seed)
-        target = Target(model, tok, want_hidden=False, cache=cache, compile=args.compile)
-        env = ArmEnv(model, tok, sampling, self.gen, target_name=args.target,
-                     trust_remote_code=args.trust_remote_code, target=target, cache=cache)
-        arms = build_arms(specs, env)
+        self.engine = build_engine(model, tok, specs, sampling, self.gen, cache=cache, compile=args.compile,
+                                   verifier=args.verifier, target_name=args.target,
+                                   trust_remote_code=args.trust_remote_code,
+                                   needs_hidden=self.length.needs_target_hidden)
+        arms = self.engine.arms
         self.eos = eos_token_ids(model, tok)
-        self.engine = SpecEngine(target, arms, Verifier(sampling, args.verifier, self.gen), self.eos)
-        if any(a.uses_target_hidden for a in arms) or self.length.needs_target_hidden:
-            target.want_hidden = True
         self.policy = build_policy(policy_spec, len(arms), self.engine.max_len, seed=args.seed)
         self.labels = [a.label for a in arms]
         self.model, self.tok, self.sampling, self.args, self.err = model, tok, sampling, args, err
-        self.pad = tok.pad_token_id if tok.pad_token_id is not None else (self.eos[0] if self.eos else 0)
+        self.pad = pad_token_id(tok, self.eos)
         self.warm = False
 
     def _seed(self) -> None:

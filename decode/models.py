@@ -135,6 +135,12 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def pad_token_id(tokenizer, eos: list[int]) -> int:
+    """The id HF ``generate`` pads with: the tokenizer's pad token, else the first EOS id, else 0."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if pad is not None else (eos[0] if eos else 0)
+
+
 def vocab_fingerprint(tokenizer) -> str:
     """Hash of the token→id map; equal fingerprints mean drafts can be verified token-for-token."""
     vocab = tokenizer.get_vocab()
