@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, help)
     "distill": ("toolkit.distill", "self-distillation: the target answers task prompts (datasets on disk)"),
     "train-drafter": ("toolkit.train.drafter", "train a task drafter on distilled data (also: deepspeed scripts/train_drafter.py)"),
+    "export": ("toolkit.export_formats", "export a trained EAGLE head or drafter for vLLM, SGLang, EAGLE or transformers"),
 }
 
 
