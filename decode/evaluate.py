@@ -27,10 +27,10 @@ from tqdm.auto import tqdm
 
 from . import metrics
 from .arms.none import NoSpecArm
-from .device import DEVICES, DTYPES
+from .device import DTYPES
 from .engine import Generation, SpecEngine, build_engine
 from .errors import UserError
-from .eval_config import CACHES, MAX_SEED, EvalConfig, differences
+from .eval_config import MAX_SEED, EvalConfig, add_decoding_arguments, differences
 from .io import JsonlLog, read_jsonl_log
 from .length import LengthController, build_length
 from .models import DEFAULT_TARGET, eos_token_ids, load_model, pad_token_id
@@ -41,7 +41,6 @@ from .report import AR, FORMAT, build_report, figures_note, load_records, rotate
 from .sampling import SamplingConfig
 from .suites import BUILTIN, Prompt, encode_prompt, load_jsonl_suite, select
 from .traces import record_trace, write_traces
-from .verify import BACKENDS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,19 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also record counterfactual traces (every arm scored at every position of the "
                         "autoregressive output) for `decode simulate --traces PATH`; an extra pass per prompt")
     p.add_argument("--max-new-tokens", type=int, default=128, help="integer >= 1 (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help=">= 0; 0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
     p.add_argument("--seed", type=int, default=0, help=f"integer in [0, {MAX_SEED}]")
-    p.add_argument("--verifier", default="auto", choices=BACKENDS)
-    p.add_argument("--device", default="auto", help=f"{DEVICES} (auto = cuda when available, else cpu)")
-    p.add_argument("--dtype", default="auto", help=f"auto|{'|'.join(DTYPES)} (auto = bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--cache", choices=("auto", *CACHES), default="auto",
-                   help="KV cache of the target and of the arms that own one: static (pre-allocated, rollback moves a "
-                        "length pointer), dynamic (grows and is cropped), or auto (default: static on CUDA or with "
-                        "--compile, dynamic on a CPU, where static measured 7%% slower)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the target's verification forward (needs the static cache)")
+    add_decoding_arguments(p)
     p.add_argument("--out", default="runs/eval/report.json",
                    help="report JSON file (the markdown table is written beside it with the suffix .md, the "
                         "records as they finish into records.jsonl, or NAME.records.jsonl for --out NAME.json); "

@@ -20,10 +20,10 @@ import torch
 
 from . import metrics
 from .arms import arm_names
-from .device import DEVICES, DTYPES, dtype_name, resolve_device, resolve_dtype
+from .device import dtype_name, resolve_device, resolve_dtype
 from .engine import Generation, build_engine
 from .errors import UserError
-from .eval_config import CACHES, MAX_SEED, EvalConfig, resolve_cache
+from .eval_config import MAX_SEED, EvalConfig, add_decoding_arguments, resolve_cache
 from .length import build_length
 from .models import DEFAULT_TARGET, eos_token_ids, load_model, pad_token_id
 from .peers import hf_generate
@@ -32,7 +32,6 @@ from .policies.simple import Fixed
 from .sampling import SamplingConfig
 from .specs import parse_spec, split_specs
 from .suites import encode_prompt
-from .verify import BACKENDS
 
 PROMPT = ">>> "
 DEFAULT_ARMS = "pld:L=4;suffix:L=6"  # model-free, so it runs on any target with nothing trained
@@ -59,17 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--length", help="draft-length controller, as in `decode eval`: fixed (default), beta-ts, cali-ts")
     p.add_argument("--max-new-tokens", type=int, default=256, help="integer >= 1 (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help=">= 0; 0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
     p.add_argument("--seed", type=int, default=0, help=f"integer in [0, {MAX_SEED}]; every prompt starts from it")
-    p.add_argument("--verifier", default="auto", choices=BACKENDS)
-    p.add_argument("--device", default="auto", help=f"{DEVICES} (auto = cuda when available, else cpu)")
-    p.add_argument("--dtype", default="auto", help=f"auto|{'|'.join(DTYPES)} (auto = bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--cache", choices=("auto", *CACHES), default="auto",
-                   help="KV cache kind, as in `decode eval` (auto = static on CUDA or with --compile, else dynamic)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the target's verification forward (needs the static cache)")
+    add_decoding_arguments(p)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--show-arms", action="store_true",
                    help="colour each token by the arm that drafted it (target-chosen tokens plain) and print a legend")
