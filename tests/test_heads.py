@@ -276,12 +276,48 @@ def test_train_heads_smoke_then_decode_losslessly(tiny_distilled):
     assert gen.tokens == plain_greedy(target, prompt, 30)
 
 
+def test_heads_train_with_a_draft_vocabulary_and_record_its_coverage(tiny_distilled):
+    """Default recipes draft from the tokens covering 95% of the target's distilled outputs: the subset is
+    saved with the head, its coverage lands in head.json and eval.json, and decoding stays lossless;
+    ``draft_vocab=null`` keeps the full vocabulary."""
+    import json
+
+    from decode.models import load_model
+    from decode.vocab import VOCAB_FILE
+    from toolkit.train import eagle, early_exit
+
+    d, tiny, common = tiny_distilled
+    quick = common + ["train.max_steps=1"]
+    assert early_exit.main(quick + [f"out_dir={d}/ee_dv", "head.n_layers=1", "open_text.fraction=0"]) == 0
+    assert eagle.main(quick + [f"out_dir={d}/eagle_dv", "draft_vocab.size=40", "open_text.fraction=0"]) == 0
+    assert eagle.main(quick + [f"out_dir={d}/eagle_full", "draft_vocab=null", "open_text.fraction=0"]) == 0
+    target, tok = load_model(tiny)
+    V = target.config.vocab_size
+    ee_meta = json.loads((d / "ee_dv" / "head.json").read_text())["draft_vocab"]
+    ee_eval = json.loads((d / "ee_dv" / "eval.json").read_text())["draft_vocab"]
+    assert ee_meta == ee_eval | {"file": VOCAB_FILE}
+    assert ee_meta["coverage"] >= 0.95 and ee_meta["coverage_target"] == 0.95 and ee_meta["size"] < V
+    assert set(tok.all_special_ids) <= set(load_head(d / "ee_dv", target).draft_vocab.d2t.tolist())
+    eg = load_head(d / "eagle_dv", target)
+    assert eg.draft_vocab.info["frequent"] == 40 and eg.draft_weight.shape[0] == len(eg.draft_vocab) >= 40
+    run = json.loads((d / "eagle_dv" / "run.json").read_text())
+    assert run["draft_vocab"]["size"] == 40  # part of the resume fingerprint
+    assert load_head(d / "eagle_full", target).draft_vocab is None and not (d / "eagle_full" / VOCAB_FILE).exists()
+    env = ArmEnv(target, TinyTokenizer(V), GREEDY)
+    arms = [build_arm(f"early_exit:path={d / 'ee_dv'},L=4", env), build_arm(f"eagle:path={d / 'eagle_dv'},L=3", env)]
+    prompt = [1, 5, 9, 5, 1, 5]
+    gen = _generate(target, arms, prompt, 24, "random")
+    assert gen.tokens == plain_greedy(target, prompt, 24)
+
+
 def test_head_recipes_fail_fast_on_bad_fields(tiny_distilled):
     from toolkit.train import early_exit
 
     d, tiny, common = tiny_distilled
     assert early_exit.main(common + ["open_text.fraction=1.5"]) == 2
     assert early_exit.main(common + ["head.n_layer=2"]) == 2
+    assert early_exit.main(common + ["draft_vocab.coverage=1.5"]) == 2
+    assert early_exit.main(common + ["draft_vocab.size=0"]) == 2
     assert early_exit.main([f"target={tiny}", f"data.root={d}/nowhere"]) == 2
 
 

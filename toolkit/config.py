@@ -389,3 +389,22 @@ def task_recipe(task: str) -> Path:
     if not p.is_file():
         raise UserError(f"--task {task}: no recipe {p}; available tasks: {', '.join(task_names()) or 'none'}")
     return p
+
+
+# --------------------------------------------------------------------------- shared recipe sections
+
+@dataclasses.dataclass
+class DraftVocabSection:
+    """The vocabulary a drafting head drafts from (decode/vocab.py, FR-Spec): the most frequent tokens of
+    the target's own outputs (the distilled responses it trains on) plus the special tokens. A recipe's
+    ``draft_vocab: null`` drafts from the full vocabulary."""
+
+    size: int | None = None  # N most frequent tokens; null = the fewest that reach `coverage`
+    coverage: float = 0.95  # share of the distilled output tokens the frequent tokens must cover (size: null)
+
+    def __post_init__(self):
+        if self.size is not None and self.size < 1:
+            raise UserError(f"draft_vocab.size must be >= 1 (or null to choose it by draft_vocab.coverage), "
+                            f"got {self.size}")
+        if not 0.0 < self.coverage <= 1.0:
+            raise UserError(f"draft_vocab.coverage must be in (0, 1], got {self.coverage}")

@@ -10,6 +10,9 @@ that crop moves a pointer.
 
 Per draft with m committed tokens: feed the missing true entries up to j = m-2 in one forward
 (its last output predicts f_{m-1} → draft token 1), then one head step per further token.
+
+A head saved with a draft vocabulary (decode/vocab.py) drafts only its tokens: logits from the [N, d]
+rows of the target's LM head cached on the head at load, mapped back to target ids before sampling.
 """
 from __future__ import annotations
 
@@ -128,7 +131,8 @@ class EagleArm(Arm):
                     break
                 f = self._step(f.unsqueeze(0), [tokens[-1]])
             self.draft_hidden.append(f.float())
-            tok, dist = choose_token(self.head.logits(f).float(), self.sampling, self.generator)
+            # over the head's draft vocabulary, -inf elsewhere: q = 0 outside it (decode/vocab.py)
+            tok, dist = choose_token(self.head.draft_logits(f).float(), self.sampling, self.generator)
             tokens.append(int(tok))
             dists.append(dist)
         self.cache.crop(self.entries)  # drop entries built from predicted features

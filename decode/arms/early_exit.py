@@ -9,6 +9,10 @@ drafting path's entries: reusing them would need a target forward that starts at
 HF's model forward does not offer without copying its decoder loop. The price is N/num_layers
 (≈10%) of one verification forward per round plus a duplicate of N layers of KV memory; the
 drafter never recomputes the prompt or accepted tokens.
+
+A head saved with a draft vocabulary (decode/vocab.py) has an [N, d] LM head; its forward returns
+target-vocabulary logits with ``-inf`` outside the subset, so the inherited drafting loop samples
+only subset tokens and hands the verifier a q that is zero outside it.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Plumbing shared by the heads: building a partial decoder stack out of the target's own HF
-modules, and saving/loading the trainable weights of a head as a folder."""
+modules, an optional draft vocabulary (decode/vocab.py), and saving/loading the trainable weights of
+a head as a folder."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +13,7 @@ from torch import nn
 
 from ..errors import UserError
 from ..io import atomic_path, atomic_write_text
+from ..vocab import VOCAB_FILE, DraftVocab, expand_logits
 
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head.json"
@@ -86,9 +88,57 @@ def check_signature(saved: dict, target: nn.Module, folder) -> None:
                             f"({saved.get('name_or_path') or 'see head.json'}) or retrain the head")
 
 
+class DraftVocabMixin:
+    """What a drafting head needs for a draft vocabulary: the subset's target ids as a buffer that
+    moves with the head (not saved in its weights: the vocabulary has its own file) and the mapping
+    of subset logits back to the target vocabulary. ``draft_vocab=None`` = the full vocabulary."""
+
+    draft_vocab: DraftVocab | None = None
+
+    def _set_draft_vocab(self, vocab: DraftVocab | None, target: nn.Module) -> None:
+        weight = target.get_output_embeddings().weight
+        self.target_vocab_size = weight.shape[0]
+        if vocab is not None and vocab.vocab_size != self.target_vocab_size:
+            raise UserError(f"the draft vocabulary indexes {vocab.vocab_size} tokens but the target has "
+                            f"{self.target_vocab_size}; build it for this target")
+        self.draft_vocab = vocab
+        self.register_buffer("draft_ids", None if vocab is None else vocab.d2t.to(weight.device), persistent=False)
+
+    def draft_rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """The rows of a [V, ...] LM-head weight/bias that the draft vocabulary keeps ([N, ...])."""
+        if self.draft_vocab is None:
+            return weight
+        return weight.detach().index_select(0, self.draft_vocab.d2t.to(weight.device)).contiguous()
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary → over the target's (``-inf`` outside: q = 0 there)."""
+        if self.draft_vocab is None:
+            return logits
+        return expand_logits(logits, self.draft_ids, self.target_vocab_size)
+
+    def restrict(self, logits: torch.Tensor) -> torch.Tensor:
+        """Target-vocabulary logits [..., V] → the draft vocabulary's columns [..., N] (training targets)."""
+        return logits if self.draft_vocab is None else logits.index_select(-1, self.draft_ids)
+
+    def draft_index(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids → draft indices, -1 for ids outside the draft vocabulary (``d2t`` is sorted)."""
+        if self.draft_vocab is None:
+            return ids
+        pos = torch.searchsorted(self.draft_ids, ids.contiguous()).clamp(max=len(self.draft_ids) - 1)
+        return torch.where(self.draft_ids[pos] == ids, pos, torch.full_like(pos, -1))
+
+    def target_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Draft indices → target ids (``d2t``)."""
+        return index if self.draft_vocab is None else self.draft_ids[index]
+
+    def draft_vocab_config(self) -> dict:
+        return {} if self.draft_vocab is None else {"draft_vocab": {"file": VOCAB_FILE, **self.draft_vocab.info}}
+
+
 def save_head(head: nn.Module, out_dir, extra: dict | None = None) -> Path:
-    """Write ``head.safetensors`` then ``head.json`` into ``out_dir``, each via a temp file + rename
-    (``head.json`` last: a folder with it is complete). Other files there (checkpoints) are kept."""
+    """Write ``head.safetensors`` (and ``draft_vocab.safetensors`` when the head has one) then
+    ``head.json`` into ``out_dir``, each via a temp file + rename (``head.json`` last: a folder with it
+    is complete). Other files there (checkpoints) are kept."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in head.trainable_state_dict().items()}
@@ -96,6 +146,11 @@ def save_head(head: nn.Module, out_dir, extra: dict | None = None) -> Path:
     (out / HEAD_CONFIG).unlink(missing_ok=True)  # incomplete until the new one lands
     with atomic_path(out / HEAD_WEIGHTS) as tmp:
         save_file(state, str(tmp))
+    vocab = getattr(head, "draft_vocab", None)
+    if vocab is not None:
+        vocab.save(out)
+    else:
+        (out / VOCAB_FILE).unlink(missing_ok=True)  # a stale one from an earlier run in this folder
     atomic_write_text(out / HEAD_CONFIG, json.dumps(meta, indent=2, sort_keys=True))
     return out
 
@@ -121,7 +176,16 @@ def load_head(folder, target: nn.Module | None = None, *, expect: str | None = N
         raise UserError(f"{folder}/{HEAD_CONFIG}: unknown head kind '{kind}' (known: {', '.join(kinds)})")
     if expect is not None and kind != expect:
         raise UserError(f"{folder} holds a '{kind}' head, expected '{expect}'")
-    head = kinds[kind].from_head_config(meta, target)
+    extra = {}
+    if meta.get("draft_vocab"):  # heads saved before draft vocabularies draft from the full vocabulary
+        if target is None:
+            raise UserError(f"{folder}: a head with a draft vocabulary needs its target model to be rebuilt")
+        vocab = DraftVocab.load(folder, target.get_output_embeddings().weight.shape[0])
+        if len(vocab) != meta["draft_vocab"].get("size"):
+            raise UserError(f"{folder}: {VOCAB_FILE} holds {len(vocab)} ids but head.json says "
+                            f"{meta['draft_vocab'].get('size')}; the folder mixes two runs, retrain the head")
+        extra["draft_vocab"] = vocab
+    head = kinds[kind].from_head_config(meta, target, **extra)
     state = load_file(str(Path(folder) / HEAD_WEIGHTS))
     head.load_trainable_state_dict(state)
     return head.eval()

@@ -9,26 +9,33 @@ no extra target computation. The head therefore predicts a post-norm feature and
 its own. The decoder layer is the target's own HF layer class (a copy of its last layer as the
 initial weights), run through the target's decoder class so masks/rotary/KV cache are HF's.
 The target's embedding and LM head are used, not owned: they are neither trained nor saved.
+
+With a draft vocabulary (decode/vocab.py) the head's logits cover only its N tokens: the matching
+rows of the target's LM head are copied once at construction into a [N, d] buffer (not saved; the
+folder keeps the ids in ``draft_vocab.safetensors``), so a drafted token costs N·d instead of V·d.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from .common import (base_model, build_stack, check_signature, clone_layer, load_strict, sub_config,
-                     target_signature)
+from ..vocab import DraftVocab
+from .common import (DraftVocabMixin, base_model, build_stack, check_signature, clone_layer, load_strict,
+                     sub_config, target_signature)
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftVocabMixin, nn.Module):
     kind = "eagle"
 
     INITS = ("identity", "last_layer", "random")
 
-    def __init__(self, target: nn.Module, init: str = "identity"):
+    def __init__(self, target: nn.Module, init: str = "identity", draft_vocab: DraftVocab | None = None):
         """init: ``identity`` = the target's last layer with its output projections zeroed, so the
         head starts as f̂_{t+1} = f_t and learns a residual (a copy of the last layer applied to a
-        post-norm feature starts far off); ``last_layer`` = plain copy; ``random`` = fresh layer."""
+        post-norm feature starts far off); ``last_layer`` = plain copy; ``random`` = fresh layer.
+        draft_vocab: draft from these target ids only (None = the full vocabulary)."""
         super().__init__()
         if init not in self.INITS:
             raise UserError(f"eagle head init must be one of {', '.join(self.INITS)}, got '{init}'")
@@ -55,6 +62,12 @@ class EagleHead(nn.Module):
             self.fc.weight.zero_()
             self.fc.weight[:, d:].copy_(torch.eye(d))
             self.fc.bias.zero_()
+        self._set_draft_vocab(draft_vocab, target)
+        if draft_vocab is not None:
+            out = target.get_output_embeddings()
+            self.register_buffer("draft_weight", self.draft_rows(out.weight), persistent=False)
+            self.register_buffer("draft_bias", None if getattr(out, "bias", None) is None
+                                 else self.draft_rows(out.bias), persistent=False)
 
     @property
     def embed(self) -> nn.Module:
@@ -74,14 +87,14 @@ class EagleHead(nn.Module):
         load_strict(self, state, set(self.state_dict()), "eagle head")
 
     def head_config(self) -> dict:
-        return {"init": self.init, "target": self._signature}
+        return {"init": self.init, "target": self._signature, **self.draft_vocab_config()}
 
     @classmethod
-    def from_head_config(cls, meta: dict, target) -> "EagleHead":
+    def from_head_config(cls, meta: dict, target, draft_vocab: DraftVocab | None = None) -> "EagleHead":
         if target is None:
             raise UserError("an EAGLE head needs its target model to be rebuilt")
         check_signature(meta.get("target", {}), target, "EAGLE head")
-        return cls(target, init=meta.get("init", "identity"))
+        return cls(target, init=meta.get("init", "identity"), draft_vocab=draft_vocab)
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, past_key_values=None,
                 attention_mask=None, use_cache: bool = False, position_ids=None) -> torch.Tensor:
@@ -94,4 +107,12 @@ class EagleHead(nn.Module):
         return out.last_hidden_state
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(features)
+        """Logits over the draft vocabulary ([..., N]; [..., V] without one)."""
+        if self.draft_vocab is None:
+            return self.lm_head(features)
+        return F.linear(features, self.draft_weight.to(features.dtype),
+                        None if self.draft_bias is None else self.draft_bias.to(features.dtype))
+
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits over the target vocabulary, ``-inf`` outside the draft vocabulary (what is sampled)."""
+        return self.full_logits(self.logits(features))

@@ -5,6 +5,10 @@ initialised from the target's (ALGORITHMS.md §4).
 The stack is an instance of the target's own decoder class whose ``layers`` are
 ``target.layers[:N] + [exit layer]``, so HF's forward does the masks, rotary embeddings and KV cache
 (the exit layer sits in cache slot N).
+
+With a draft vocabulary (decode/vocab.py) the trainable LM head has only the N rows of its tokens
+(initialised from the target's rows) and ``forward`` maps its logits back to the target vocabulary
+(``-inf`` outside), so arms and held-out metrics see target-vocabulary rows.
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..errors import UserError
-from .common import base_model, build_stack, check_signature, clone_layer, load_strict, target_signature
+from ..vocab import DraftVocab
+from .common import (DraftVocabMixin, base_model, build_stack, check_signature, clone_layer, load_strict,
+                     target_signature)
 
 
 def default_exit_layers(num_layers: int) -> int:
@@ -23,10 +29,10 @@ def default_exit_layers(num_layers: int) -> int:
     return max(1, round(0.1 * num_layers))
 
 
-class EarlyExitDrafter(nn.Module):
+class EarlyExitDrafter(DraftVocabMixin, nn.Module):
     kind = "early_exit"
 
-    def __init__(self, target: nn.Module, n_layers: int | None = None):
+    def __init__(self, target: nn.Module, n_layers: int | None = None, draft_vocab: DraftVocab | None = None):
         super().__init__()
         base = base_model(target)
         total = len(base.layers)
@@ -38,13 +44,15 @@ class EarlyExitDrafter(nn.Module):
         exit_layer = clone_layer(base.layers[-1], n)
         self.model = build_stack(target, list(base.layers[:n]) + [exit_layer], list(range(n)) + [total - 1],
                                  norm=copy.deepcopy(base.norm), embed=base.embed_tokens)
+        self._set_draft_vocab(draft_vocab, target)
         out = target.get_output_embeddings()
-        self.lm_head = nn.Linear(out.weight.shape[1], out.weight.shape[0], bias=out.bias is not None,
+        rows = self.draft_rows(out.weight)  # [N, d] with a draft vocabulary, else the full [V, d]
+        self.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=out.bias is not None,
                                  device=out.weight.device, dtype=out.weight.dtype)
         with torch.no_grad():
-            self.lm_head.weight.copy_(out.weight)
+            self.lm_head.weight.copy_(rows)
             if out.bias is not None:
-                self.lm_head.bias.copy_(out.bias)
+                self.lm_head.bias.copy_(self.draft_rows(out.bias))
         for p in self.model.norm.parameters():
             p.requires_grad_(True)
 
@@ -67,14 +75,14 @@ class EarlyExitDrafter(nn.Module):
         load_strict(self, state, set(self.trainable_state_dict()), "early-exit head")
 
     def head_config(self) -> dict:
-        return {"n_layers": self.n_layers, "target": self._signature}
+        return {"n_layers": self.n_layers, "target": self._signature, **self.draft_vocab_config()}
 
     @classmethod
-    def from_head_config(cls, meta: dict, target) -> "EarlyExitDrafter":
+    def from_head_config(cls, meta: dict, target, draft_vocab: DraftVocab | None = None) -> "EarlyExitDrafter":
         if target is None:
             raise UserError("an early-exit head needs its target model to be rebuilt")
         check_signature(meta.get("target", {}), target, "early-exit head")
-        return cls(target, meta["n_layers"])
+        return cls(target, meta["n_layers"], draft_vocab=draft_vocab)
 
     # -- compute ----------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, past_key_values=None, attention_mask=None, use_cache: bool = False,
@@ -84,5 +92,5 @@ class EarlyExitDrafter(nn.Module):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
                          use_cache=use_cache, position_ids=position_ids)
         h = out.last_hidden_state
-        return CausalLMOutputWithPast(logits=self.lm_head(h), hidden_states=(h,),
+        return CausalLMOutputWithPast(logits=self.full_logits(self.lm_head(h)), hidden_states=(h,),
                                       past_key_values=out.past_key_values)

@@ -3,6 +3,10 @@ fly from distilled text (no stored features); loss = SmoothL1(predicted feature,
 + ce_weight · CE(target distribution, head distribution) through the target's frozen LM head;
 uniform noise on the input features as in EAGLE. Saves a head folder for the ``eagle`` arm and
 records held-out teacher-forced top-1 agreement with the target.
+
+With ``draft_vocab`` (default: the tokens covering 95% of the target's distilled outputs) the head's
+logits cover only that subset; the CE term matches the target's distribution renormalised over the
+subset (the best a subset drafter can do), and agreement counts the drafted target id.
 """
 from __future__ import annotations
 
@@ -17,8 +21,10 @@ from decode.errors import UserError
 from decode.heads import EagleHead, save_head
 
 from .data import collator
-from .heads import (HeadRecipe, OpenTextSection, count_trainable, fit, head_placement, load_frozen_target,
-                    out_dir_of, tokenized_splits, with_open_text, write_eval)
+from toolkit.config import DraftVocabSection
+
+from .heads import (HeadRecipe, OpenTextSection, build_draft_vocab, count_trainable, fit, head_placement,
+                    load_frozen_target, out_dir_of, tokenized_splits, with_open_text, write_eval)
 from .metrics import position_stats
 
 KIND = "eagle"
@@ -39,6 +45,7 @@ class EagleSection:
 class EagleRecipe(HeadRecipe):
     head: EagleSection = field(default_factory=EagleSection)
     open_text: OpenTextSection = field(default_factory=OpenTextSection)  # EAGLE learns from any text
+    draft_vocab: DraftVocabSection | None = field(default_factory=DraftVocabSection)  # null = full vocabulary
 
 
 class EagleTrainModule(nn.Module):
@@ -82,9 +89,10 @@ def make_loss(section: EagleSection):
             zero = sum(p.sum() for p in model.head.parameters()) * 0.0
             return zero, {}
         reg = F.smooth_l1_loss(pred, feat)
-        q_logits = model.head.logits(pred)
-        ce = -(torch.softmax(p_logits, -1) * torch.log_softmax(q_logits, -1)).sum(-1).mean()
-        acc = (q_logits.argmax(-1) == p_logits.argmax(-1)).float().mean()
+        head = model.head
+        q_logits = head.logits(pred)  # over the draft vocabulary
+        ce = -(torch.softmax(head.restrict(p_logits), -1) * torch.log_softmax(q_logits, -1)).sum(-1).mean()
+        acc = (head.target_ids(q_logits.argmax(-1)) == p_logits.argmax(-1)).float().mean()
         return reg + section.ce_weight * ce, {"reg": reg.item(), "ce": ce.item(), "top1": acc.item()}
     return loss_fn
 
@@ -101,7 +109,7 @@ def heldout_agreement(module: EagleTrainModule, examples, progress: bool = True)
         inputs = {k: torch.tensor([ex[k]], device=dev) for k in ("input_ids", "attention_mask", "labels")}
         pred, _, p_logits = _shifted(module, inputs, 0.0)
         if pred.shape[0]:
-            s = position_stats(p_logits, module.head.logits(pred).float())
+            s = position_stats(p_logits, module.head.draft_logits(pred).float())
             for k in tot:
                 tot[k] += s[k]
     n = max(tot["n"], 1)
@@ -119,10 +127,12 @@ def train(recipe: EagleRecipe) -> dict:
     target, tok = load_frozen_target(recipe.target, place)
     distilled, held = tokenized_splits(recipe, tok)
     train_ds, n_open = with_open_text(distilled, recipe.open_text, tok, recipe.data.max_length, recipe.train.seed)
-    head = EagleHead(target, init=recipe.head.init)
+    vocab = build_draft_vocab(recipe.draft_vocab, distilled, tok, target)
+    head = EagleHead(target, init=recipe.head.init, draft_vocab=vocab)
     module = EagleTrainModule(target, head)
     fp = {"kind": KIND, "target": recipe.target, "task": recipe.task, "examples": len(train_ds),
-          "head": to_dict(recipe.head), "train": train_fingerprint(recipe.train, place)}
+          "head": to_dict(recipe.head), "draft_vocab": to_dict(recipe.draft_vocab),
+          "train": train_fingerprint(recipe.train, place)}
     trained, seconds = fit(module, make_loss(recipe.head), train_ds, collator(tok), recipe, out, fp, place)
     if trained is None:
         return {}
@@ -131,6 +141,7 @@ def train(recipe: EagleRecipe) -> dict:
     report = {"kind": KIND, "task": recipe.task, "target": recipe.target, "train_examples": {"distilled": len(distilled), "open_text": n_open},
               "trainable_params": count_trainable(trained.head), "train_seconds": round(seconds, 1),
               "feature": "post-norm final hidden state (LM-head input)",
+              "draft_vocab": None if vocab is None else vocab.info,
               "heldout": heldout,
               "recipe": to_dict(recipe)}
     save_head(trained.head, out, extra={"target_spec": recipe.target, "task": recipe.task})

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 import torch.nn.functional as F
 
 from decode.heads import EarlyExitDrafter, save_head
+from toolkit.config import DraftVocabSection
 
 from .data import collator
-from .heads import (HeadRecipe, OpenTextSection, count_trainable, fit, head_placement, load_frozen_target,
-                    out_dir_of, tokenized_splits, with_open_text, write_eval)
+from .heads import (HeadRecipe, OpenTextSection, build_draft_vocab, count_trainable, fit, head_placement,
+                    load_frozen_target, out_dir_of, tokenized_splits, with_open_text, write_eval)
 from .metrics import heldout_agreement
 
 KIND = "early_exit"
@@ -29,6 +30,7 @@ class EarlyExitRecipe(HeadRecipe):
     head: EarlyExitSection = field(default_factory=EarlyExitSection)
     open_text: OpenTextSection = field(default_factory=lambda: OpenTextSection(
         path="../shared/data/gsm8k/train.jsonl", fraction=0.25))
+    draft_vocab: DraftVocabSection | None = field(default_factory=DraftVocabSection)  # null = full vocabulary
 
 
 def loss_fn(model: EarlyExitDrafter, inputs):
@@ -36,9 +38,13 @@ def loss_fn(model: EarlyExitDrafter, inputs):
     h = model.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
     labels = inputs["labels"][:, 1:]
     mask = labels != -100
-    logits = model.lm_head(h[:, :-1][mask])
-    ce = F.cross_entropy(logits.float(), labels[mask])
-    return ce, {"ce": ce.item()}
+    index = model.draft_index(labels[mask])  # draft-vocabulary indices, -1 outside it
+    keep = index >= 0
+    if not keep.any():  # no label the drafter could draft in this batch
+        return sum(p.sum() for p in model.trainable_parameters()) * 0.0, {}
+    logits = model.lm_head(h[:, :-1][mask][keep])
+    ce = F.cross_entropy(logits.float(), index[keep])
+    return ce, {"ce": ce.item(), "in_vocab": keep.float().mean().item()}
 
 
 def train(recipe: EarlyExitRecipe) -> dict:
@@ -51,10 +57,12 @@ def train(recipe: EarlyExitRecipe) -> dict:
     target, tok = load_frozen_target(recipe.target, place)
     distilled, held = tokenized_splits(recipe, tok)
     train_ds, n_open = with_open_text(distilled, recipe.open_text, tok, recipe.data.max_length, recipe.train.seed)
-    head = EarlyExitDrafter(target, recipe.head.n_layers)
+    vocab = build_draft_vocab(recipe.draft_vocab, distilled, tok, target)
+    head = EarlyExitDrafter(target, recipe.head.n_layers, draft_vocab=vocab)
     head.freeze_shared()
     fp = {"kind": KIND, "target": recipe.target, "task": recipe.task, "examples": len(train_ds),
           "head": to_dict(recipe.head), "open_text": to_dict(recipe.open_text),
+          "draft_vocab": to_dict(recipe.draft_vocab),
           "train": train_fingerprint(recipe.train, place)}
     trained, seconds = fit(head, loss_fn, train_ds, collator(tok), recipe, out, fp, place)
     if trained is None:
@@ -65,6 +73,7 @@ def train(recipe: EarlyExitRecipe) -> dict:
     report = {"kind": KIND, "task": recipe.task, "target": recipe.target, "n_layers": trained.n_layers,
               "train_examples": {"distilled": len(distilled), "open_text": n_open},
               "trainable_params": count_trainable(trained), "train_seconds": round(seconds, 1),
+              "draft_vocab": None if vocab is None else vocab.info,
               "heldout": heldout,
               "recipe": to_dict(recipe)}
     save_head(trained, out, extra={"target_spec": recipe.target, "task": recipe.task})

@@ -110,6 +110,23 @@ def tokenized_splits(recipe: HeadRecipe, tokenizer):
             tokenize_sft(held, tokenizer, recipe.data.max_length) if len(held) else held)
 
 
+def build_draft_vocab(section, examples, tokenizer, target):
+    """The head's draft vocabulary from the target's own output tokens (the labelled response positions
+    of the tokenised distilled training split; never open text, which the target did not write), or
+    None for ``draft_vocab: null``. Prints the size and the coverage achieved."""
+    from decode.vocab import count_tokens, describe, select_draft_vocab, special_token_ids
+
+    if section is None:
+        return None
+    V = target.get_output_embeddings().weight.shape[0]
+    rows = (labels for batch in examples.iter(batch_size=1024) for labels in batch["labels"])
+    counts = count_tokens(rows, V)  # -100 (prompt positions) is skipped
+    vocab = select_draft_vocab(counts, size=section.size, coverage=None if section.size else section.coverage,
+                               special_ids=special_token_ids(tokenizer))
+    print(describe(vocab), flush=True)
+    return vocab
+
+
 def _resolve(path: str) -> Path:
     for p in (REPO_ROOT / path, Path(path)):
         if p.is_file():
