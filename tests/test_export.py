@@ -245,3 +245,27 @@ def test_speculators_library_reads_the_export_like_our_head():
     run = subprocess.run([sys.executable, str(repo / "scripts" / "check_export_speculators.py")],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr  # 0: max |logit difference| <= 1e-5
+
+
+def test_pruned_eagle_head_exports_with_its_subset_beside_and_the_same_logits_over_it(target, tmp_path):
+    """EAGLE-1 has no draft vocabulary: the export drafts from the whole vocabulary, equal over the kept tokens."""
+    from decode.vocab import VOCAB_FILE, DraftVocab
+    V = target.config.vocab_size
+    head = EagleHead(target, draft_vocab=DraftVocab(torch.arange(0, V, 3), V, {"coverage": 0.9}))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.05)
+    src = tmp_path / "pruned"
+    save_head(head, src, extra={"target_spec": target.config._name_or_path, "task": "math"})
+    out = tmp_path / "out"
+    assert export(src, "--format", "eagle", "--out", out) == 0
+    assert (out / VOCAB_FILE).exists()
+    ours = draft_logits(load_head(src, target, expect="eagle"), target, seed=3)
+    back = draft_logits(load_eagle_export(out, target), target, seed=3)
+    kept = torch.isfinite(ours[0, 0])
+    assert int(kept.sum()) == len(range(0, V, 3))
+    torch.testing.assert_close(back[..., kept], ours[..., kept], rtol=0, atol=1e-5)
+    assert torch.isfinite(back).all()  # the exported head drafts from every token
+    meta = json.loads((out / EXPORT_META).read_text())
+    assert meta["pruned_vocab_dropped"]["size"] == int(kept.sum())
+    assert "pruned vocabulary of" in (out / "README.md").read_text()

@@ -20,6 +20,13 @@ What each artifact kind can become (anything else is refused, never approximated
 
 Every EAGLE export is checked before it is published: the head read back from the exported folder
 (:func:`load_eagle_export`) must give the same draft logits as the original on fixed inputs.
+
+Pruned draft vocabularies (decode/vocab.py): EAGLE-1 layouts have no slot for one, so the exported head
+drafts from the target's whole vocabulary. Its logits over the N kept tokens are the trained head's
+exactly (the check compares those columns), but it may now draft tokens outside them: verification
+stays lossless, acceptance can differ slightly, and every draft pays the full LM head again. The
+README says so, and the subset travels beside the weights (``draft_vocab.safetensors``) for tools that
+can use it.
 """
 from __future__ import annotations
 
@@ -211,15 +218,20 @@ def draft_logits(head, target, seed: int = 0, length: int = 12) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.config.vocab_size, (1, length + 1), generator=g)
     feats = target.get_decoder()(input_ids=ids[:, :-1]).last_hidden_state.float()
-    return head.logits(head(feats, ids[:, 1:])).float()
+    f = head(feats, ids[:, 1:])
+    # over the target vocabulary (-inf outside a pruned head's draft vocabulary)
+    return (head.draft_logits(f) if hasattr(head, "draft_logits") else head.logits(f)).float()
 
 
 def _verify_eagle(src: Path, exported: Path, target) -> float:
-    """Max |Δlogit| between the original head and the one read back from ``exported``; refuses any mismatch."""
+    """Max |Δlogit| between the original head and the one read back from ``exported`` over the tokens the
+    original drafts from (all of them, or its pruned vocabulary); refuses any mismatch."""
     from decode.heads import load_head
 
     ours = draft_logits(load_head(src, target, expect="eagle"), target)
     back = draft_logits(load_eagle_export(exported, target), target)
+    kept = torch.isfinite(ours[0, 0])  # the original's draft vocabulary
+    ours, back = ours[..., kept], back[..., kept]
     diff = float((ours - back).abs().max())
     if diff > 1e-4 or not torch.equal(ours.argmax(-1), back.argmax(-1)):
         raise RuntimeError(f"exported head drafts differently from {src} (max |Δlogit| {diff:.3g}); nothing was written")
@@ -229,7 +241,7 @@ def _verify_eagle(src: Path, exported: Path, target) -> float:
 # --------------------------------------------------------------------------- README and serving configs
 
 def serving_snippets(kind: str, fmt: str, out: Path, *, target: str, source: str, k: int, vllm_ok: bool,
-                     why_not: str = "", passthrough: bool = False) -> tuple[dict | None, str]:
+                     why_not: str = "", passthrough: bool = False, pruned: dict | None = None) -> tuple[dict | None, str]:
     """(vLLM speculative_config or None when vLLM cannot load this export exactly, README text)."""
     path = str(out.resolve())
     if kind == "drafter":
@@ -272,6 +284,13 @@ def serving_snippets(kind: str, fmt: str, out: Path, *, target: str, source: str
     else:
         lines += ["Layout: a plain Hugging Face model folder (config, weights, tokenizer) plus `drafter.json`, "
                   "the target it was trained for and its held-out evaluation.", ""]
+    if pruned:
+        lines += [f"The trained head drafts from a pruned vocabulary of {pruned.get('size')} tokens (coverage "
+                  f"{pruned.get('coverage')} of the target's own outputs). This layout has no draft vocabulary, so "
+                  "the exported head drafts from the target's whole vocabulary: over those tokens its logits are "
+                  "the trained head's exactly, but it may draft others (verification stays lossless; acceptance can "
+                  "differ slightly) and pays the full LM head per drafted token. The subset is kept beside the "
+                  "weights in `draft_vocab.safetensors` (`d2t`: draft index → target id).", ""]
     lines += ["## vLLM", ""]
     if vllm_ok:
         lines += [f"`{VLLM_CONFIG}` (beside this file) holds the `speculative_config`:", "", "```json",
@@ -322,6 +341,11 @@ def export(artifact, fmt: str, out, *, target: str | None = None, num_tokens: in
             else:
                 tensors, cfg, facts = speculators_layout(state, model.config, src, verifier=target, num_tokens=num_tokens)
             write_layout(tmp, tensors, cfg)
+            from decode.vocab import VOCAB_FILE
+            if (src / VOCAB_FILE).exists():  # the layout has no slot for it: keep it beside, say what changes
+                shutil.copy2(src / VOCAB_FILE, tmp / VOCAB_FILE)
+                dv = head_cfg.get("draft_vocab") or {}
+                facts["pruned_vocab_dropped"] = {"size": dv.get("size"), "coverage": dv.get("coverage")}
             meta.update(facts)
             meta["max_abs_logit_diff"] = _verify_eagle(src, tmp, model) if fmt == "eagle" else None
             vllm_ok = not facts["fc_bias"]
@@ -331,7 +355,8 @@ def export(artifact, fmt: str, out, *, target: str | None = None, num_tokens: in
         meta["target"] = target
         vllm, readme = serving_snippets(kind, fmt, out, target=resolve_path(target), source=meta["source"],
                                         k=num_tokens, vllm_ok=vllm_ok,
-                                        why_not=why, passthrough=meta.get("passthrough_first_layer", False))
+                                        why_not=why, passthrough=meta.get("passthrough_first_layer", False),
+                                        pruned=meta.get("pruned_vocab_dropped"))
         meta["vllm_loadable"] = vllm_ok
         if vllm is not None:
             (tmp / VLLM_CONFIG).write_text(json.dumps(vllm, indent=2) + "\n")
