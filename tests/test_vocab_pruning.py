@@ -261,3 +261,33 @@ def test_draft_token_cost_divides_draft_time_per_token_by_the_target_step():
     assert cost["fraction"] == pytest.approx(0.1)
     with pytest.raises(UserError, match="no drafted tokens"):
         draft_token_cost([gen([(0, 0.001, 0.01)])])
+
+
+def test_heldout_nll_is_over_the_labels_a_pruned_drafter_can_draft():
+    """Labels outside the draft vocabulary have q = 0: the NLL skips them and says how many there were."""
+    import math
+    from types import SimpleNamespace
+
+    from helpers import tiny_llama
+    from toolkit.train.metrics import heldout_agreement
+    target = tiny_llama(seed=1)
+    allowed = torch.zeros(64, dtype=torch.bool)
+    allowed[::2] = True
+
+    class Pruned(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = tiny_llama(seed=2)
+
+        def forward(self, input_ids):
+            logits = self.inner(input_ids=input_ids).logits.masked_fill(~allowed, float("-inf"))
+            return SimpleNamespace(logits=logits)
+
+    ids = list(range(1, 21))
+    ex = {"input_ids": ids, "labels": [-100] * 4 + ids[4:]}
+    res = heldout_agreement(Pruned(), target, [ex], progress=False)
+    labels = torch.tensor(ids[4:])  # the positions after the prompt part (labels are shifted by one)
+    assert math.isfinite(res["drafter_nll"])
+    assert res["labels_outside_vocab"] == pytest.approx(float((~allowed[labels]).float().mean()))
+    full = heldout_agreement(tiny_llama(seed=2), target, [ex], progress=False)
+    assert full["labels_outside_vocab"] == 0.0

@@ -36,7 +36,7 @@ def heldout_agreement(drafter, target, examples, *, L: int = 4, sampling: Sampli
     from tqdm.auto import tqdm
 
     dev = next(drafter.parameters()).device
-    tot = {"n": 0, "agree": 0.0, "overlap": 0.0, "nll": 0.0, "label_hits": 0.0}
+    tot = {"n": 0, "agree": 0.0, "overlap": 0.0, "nll": 0.0, "nll_n": 0, "label_hits": 0.0}
     for ex in tqdm(examples, desc="held-out agreement", disable=not progress):
         ids = torch.tensor([ex["input_ids"]], device=dev)
         labels = torch.tensor(ex["labels"][1:], device=dev)
@@ -48,13 +48,20 @@ def heldout_agreement(drafter, target, examples, *, L: int = 4, sampling: Sampli
         s = position_stats(p, q, sampling)
         for k in ("n", "agree", "overlap"):
             tot[k] += s[k]
-        tot["nll"] += torch.nn.functional.cross_entropy(q, labels[mask], reduction="sum").item()
-        tot["label_hits"] += (q.argmax(-1) == labels[mask]).sum().item()
+        lab = labels[mask]
+        # a pruned draft vocabulary gives -inf to labels outside it: NLL over the labels it can draft
+        inside = torch.isfinite(q.gather(-1, lab[:, None]).squeeze(-1))
+        if inside.any():
+            tot["nll"] += torch.nn.functional.cross_entropy(q[inside], lab[inside], reduction="sum").item()
+            tot["nll_n"] += int(inside.sum())
+        tot["label_hits"] += (q.argmax(-1) == lab).sum().item()
     n = max(tot["n"], 1)
     agreement, acceptance = tot["agree"] / n, tot["overlap"] / n
     return {
         "examples": len(examples), "positions": tot["n"],
         "agreement": agreement, "acceptance": acceptance,
-        "drafter_nll": tot["nll"] / n, "label_accuracy": tot["label_hits"] / n,
+        "drafter_nll": tot["nll"] / max(tot["nll_n"], 1), "label_accuracy": tot["label_hits"] / n,
+        # share of labels the drafter cannot draft (outside a pruned vocabulary; 0 for a full one)
+        "labels_outside_vocab": 1.0 - tot["nll_n"] / n if tot["n"] else 0.0,
         "L": L, "expected_mat_greedy": expected_mat(agreement, L), "expected_mat_sampled": expected_mat(acceptance, L),
     }
