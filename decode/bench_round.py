@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from .device import DEVICES, DTYPES, dtype_name, resolve_device, resolve_dtype
 from .engine import Generation, build_engine
+from .draft_cost import draft_token_cost
 from .errors import UserError
 from .io import atomic_write_json, atomic_write_text
 from .models import DEFAULT_TARGET, load_model
@@ -75,7 +76,10 @@ def breakdown(gens: list[Generation]) -> dict:
             "bookkeeping": sum(t.bookkeeping for t in st)}
     secs["other"] = loop - sum(secs.values())
     tokens = sum(len(g.tokens) for g in gens)
+    drafted = sum(r.drafted for g in gens for r in g.rounds)
     return {
+        # one drafted token's cost as a fraction of a one-token target step (None: the arm drafted nothing)
+        "draft_cost": draft_token_cost(gens) if drafted else None,
         "generations": len(gens), "rounds": rounds, "tokens": tokens, "tokens_per_round": tokens / rounds,
         "round_ms": 1000 * loop / rounds, "tokens_per_s": tokens / loop if loop > 0 else 0.0,
         "phases": {k: {"ms_per_round": 1000 * v / rounds, "percent": 100 * v / loop if loop > 0 else 0.0}
@@ -86,12 +90,14 @@ def breakdown(gens: list[Generation]) -> dict:
 
 def markdown_table(arms: dict[str, dict]) -> str:
     head = ("| arm | rounds | tokens/round | round ms | " + " | ".join(f"{t} ms (%)" for _, t in PHASES)
-            + " | outside fwd+draft |")
-    rows = [head, "|" + "---|" * (len(PHASES) + 5)]
+            + " | outside fwd+draft | drafted token (× step) |")
+    rows = [head, "|" + "---|" * (len(PHASES) + 6)]
     for label, b in arms.items():
         cells = [f"{b['phases'][k]['ms_per_round']:.3f} ({b['phases'][k]['percent']:.1f}%)" for k, _ in PHASES]
+        c = b.get("draft_cost")
+        cost = f"{c['draft_ms_per_token']:.3f} ms ({c['fraction']:.3f})" if c else "—"
         rows.append(f"| {label} | {b['rounds']} | {b['tokens_per_round']:.2f} | {b['round_ms']:.3f} | "
-                    + " | ".join(cells) + f" | {b['outside_percent']:.1f}% |")
+                    + " | ".join(cells) + f" | {b['outside_percent']:.1f}% | {cost} |")
     return "\n".join(rows)
 
 

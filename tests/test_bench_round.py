@@ -37,6 +37,11 @@ def test_bench_round_breaks_every_arm_round_into_phases(tiny_target_dir, tmp_pat
         gens = [g for g in rep["generations"] if g["arm"] == label]
         assert len(gens) == 2 and b["rounds"] == sum(g["rounds"] for g in gens)
     assert rep["arms"]["none"]["tokens_per_round"] == 1.0
+    assert rep["arms"]["none"]["draft_cost"] is None and "drafted token (× step)" in table  # drafts nothing
+    for label in ("pld@4", "suffix@6"):
+        c = rep["arms"][label]["draft_cost"]
+        if c is not None:  # model-free drafting: microseconds, a tiny fraction of a step
+            assert 0 < c["fraction"] < 0.1 and c["target_step_ms"] > 0
 
     # the rounds are the engine's own: a plain generate of the same prompt with the same arm agrees
     from decode.arms import ArmEnv, build_arm

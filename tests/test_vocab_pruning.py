@@ -252,13 +252,13 @@ def test_draft_token_cost_divides_draft_time_per_token_by_the_target_step():
 
     from decode.draft_cost import draft_token_cost
 
-    def gen(rounds):  # (drafted, draft seconds, verification-forward seconds) per round
-        return NS(rounds=[NS(drafted=n) for n, _, _ in rounds],
+    def gen(rounds):  # (drafted, draft seconds, verification-forward seconds) per round; one step = 8 ms
+        return NS(rounds=[NS(drafted=n, step_time=0.008) for n, _, _ in rounds],
                   step_times=[NS(draft=d, score=s) for _, d, s in rounds])
-    cost = draft_token_cost([gen([(4, 0.004, 0.010), (2, 0.002, 0.010)]), gen([(0, 0.0, 0.010)])])
+    cost = draft_token_cost([gen([(4, 0.004, 0.010), (2, 0.002, 0.012)]), gen([(0, 0.0, 0.011)])])
     assert cost["drafted_tokens"] == 6 and cost["rounds"] == 3
-    assert cost["draft_ms_per_token"] == pytest.approx(1.0) and cost["target_step_ms"] == pytest.approx(10.0)
-    assert cost["fraction"] == pytest.approx(0.1)
+    assert cost["draft_ms_per_token"] == pytest.approx(1.0) and cost["target_step_ms"] == pytest.approx(8.0)
+    assert cost["fraction"] == pytest.approx(0.125) and cost["verify_forward_ms"] == pytest.approx(11.0)
     with pytest.raises(UserError, match="no drafted tokens"):
         draft_token_cost([gen([(0, 0.001, 0.01)])])
 
