@@ -29,25 +29,27 @@ test-fast: $(STAMP)
 clean-venv:
 	rm -rf .venv
 
-# Self-drafting heads (recipes/heads/*.yaml): make train-eagle TASK=math [MAX_STEPS=n] [ARGS="key=value ..."]
+# Self-drafting heads (recipes/heads/*.yaml): make train-eagle TASK=math [MAX_STEPS=n] [MINUTES=m] [ARGS="key=value ..."]
+# (= python -m toolkit train <drafter|eagle|early-exit|calibrator> ...; MINUTES = train.max_minutes, a time budget)
 # Every training and distill target also takes DEVICE=auto|cpu|cuda[:N] and DTYPE=auto|float32|bfloat16|float16
 # (recipe fields train.device/train.dtype, or device/dtype for distill; unset = the recipe's, auto by default).
 TASK ?= math
 TRAIN_PLACEMENT = $(if $(DEVICE),train.device=$(DEVICE)) $(if $(DTYPE),train.dtype=$(DTYPE))
-HEAD_OVERRIDES = $(if $(MAX_STEPS),train.max_steps=$(MAX_STEPS)) $(TRAIN_PLACEMENT) $(ARGS)
+RUN_LENGTH = $(if $(MAX_STEPS),train.max_steps=$(MAX_STEPS)) $(if $(MINUTES),train.max_minutes=$(MINUTES))
+HEAD_OVERRIDES = $(RUN_LENGTH) $(TRAIN_PLACEMENT) $(ARGS)
 .PHONY: train-eagle train-early-exit train-calibrator
 
 train-eagle: $(STAMP)
-	$(PY) scripts/train_eagle.py --task $(TASK) $(HEAD_OVERRIDES)
+	$(PY) -m toolkit train eagle --task $(TASK) $(HEAD_OVERRIDES)
 
 train-early-exit: $(STAMP)
-	$(PY) scripts/train_early_exit.py --task $(TASK) $(HEAD_OVERRIDES)
+	$(PY) -m toolkit train early-exit --task $(TASK) $(HEAD_OVERRIDES)
 
 train-calibrator: $(STAMP)
-	$(PY) scripts/train_calibrator.py --task $(TASK) $(HEAD_OVERRIDES)
+	$(PY) -m toolkit train calibrator --task $(TASK) $(HEAD_OVERRIDES)
 
 # Task drafters on `make distill` data, launched with DeepSpeed (CPU here, GPUs/nodes unchanged):
-#   make train-drafter TASK=math [MAX_STEPS=n] [DRAFTER_RECIPE=recipes/drafters/<name>.yaml] [ARGS="key=value ..."]
+#   make train-drafter TASK=math [MAX_STEPS=n] [MINUTES=m] [DRAFTER_RECIPE=recipes/drafters/<name>.yaml] [ARGS="key=value ..."]
 #   two-stage: make train-drafter TASK=all, then DRAFTER_RECIPE=recipes/drafters/cpu-small-ft.yaml per task
 DRAFTER_RECIPE ?= recipes/drafters/cpu-small.yaml
 DEEPSPEED ?= .venv/bin/deepspeed
@@ -56,7 +58,7 @@ DEEPSPEED ?= .venv/bin/deepspeed
 train-drafter: $(STAMP)
 	@$(PY) scripts/train_drafter.py --check --recipe $(DRAFTER_RECIPE) --task $(TASK) $(TRAIN_PLACEMENT) $(ARGS)
 	$(DEEPSPEED) scripts/train_drafter.py --recipe $(DRAFTER_RECIPE) --task $(TASK) \
-		$(if $(MAX_STEPS),train.max_steps=$(MAX_STEPS)) $(TRAIN_PLACEMENT) $(ARGS)
+		$(RUN_LENGTH) $(TRAIN_PLACEMENT) $(ARGS)
 
 # Self-distillation: the target answers a task's prompts (recipes/tasks/<TASK>.yaml) → runs/distill/<TASK>/.
 # make distill TASK=math [TARGET=smollm2-135m-instruct] [N=64] [DEVICE=cuda] [DTYPE=bfloat16] [ARGS="generation.batch_size=16 ..."]

@@ -269,3 +269,51 @@ def test_pruned_eagle_head_exports_with_its_subset_beside_and_the_same_logits_ov
     meta = json.loads((out / EXPORT_META).read_text())
     assert meta["pruned_vocab_dropped"]["size"] == int(kept.sum())
     assert "pruned vocabulary of" in (out / "README.md").read_text()
+
+
+def test_a_head_without_input_norm_or_fc_bias_exports_as_one_layer_vllm_and_speculators_load(target, tmp_path):
+    """input_norm=false, fc_bias=false (the serving layout): head.json keeps both, the state dict has neither
+    tensor, and both formats write the one layer as it is (no pass-through), vLLM-loadable, drafting as our head."""
+    head = EagleHead(target, input_norm=False, fc_bias=False)
+    assert not any("input_layernorm" in k for k in head.state_dict()) and "fc.bias" not in head.state_dict()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    src = tmp_path / "head"
+    save_head(head, src, extra={"target_spec": target.config._name_or_path, "task": "math"})
+    saved = json.loads((src / "head.json").read_text())
+    assert saved["input_norm"] is False and saved["fc_bias"] is False
+    back = load_head(src, target, expect="eagle")
+    assert back.input_norm is False and back.fc.bias is None
+    ours = draft_logits(back, target, seed=2)
+    torch.testing.assert_close(ours, draft_logits(head, target, seed=2), rtol=0, atol=0)
+
+    out = tmp_path / "eagle"
+    assert export(src, "--format", "eagle", "--out", out) == 0
+    meta = json.loads((out / EXPORT_META).read_text())
+    assert meta["passthrough_first_layer"] is False and meta["fc_bias"] is False and meta["vllm_loadable"]
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+    assert (out / VLLM_CONFIG).is_file()
+    w = load_file(str(out / "model.safetensors"))
+    assert "fc.bias" not in w and not any(k.startswith("layers.1.") or "input_layernorm" in k for k in w)
+    torch.testing.assert_close(draft_logits(load_eagle_export(out, target), target, seed=2), ours, rtol=0, atol=1e-6)
+
+    spec = tmp_path / "spec"
+    assert export(src, "--format", "speculators", "--out", spec) == 0
+    cfg = json.loads((spec / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle" and cfg["fusion_bias"] is False and cfg["layernorms"] is False
+    assert json.loads((spec / EXPORT_META).read_text())["passthrough_first_layer"] is False
+
+
+def test_the_default_eagle_head_keeps_its_input_norm_and_fc_bias(target, tmp_path):
+    head = EagleHead(target)
+    assert head.input_norm and head.fc_bias and "fc.bias" in head.state_dict()
+    assert any(k.endswith("input_layernorm.weight") for k in head.state_dict())
+    save_head(head, tmp_path / "h")
+    # a head.json from before the options (no keys) loads as the default head
+    meta = json.loads((tmp_path / "h" / "head.json").read_text())
+    for k in ("input_norm", "fc_bias"):
+        meta.pop(k)
+    (tmp_path / "h" / "head.json").write_text(json.dumps(meta))
+    assert load_head(tmp_path / "h", target).fc.bias is not None

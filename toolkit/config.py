@@ -408,3 +408,23 @@ class DraftVocabSection:
                             f"got {self.size}")
         if not 0.0 < self.coverage <= 1.0:
             raise UserError(f"draft_vocab.coverage must be in (0, 1], got {self.coverage}")
+
+
+def describe_fields(schema: type, prefix: str = "") -> list[str]:
+    """One line per leaf field of a recipe schema, ``path = default  (type)``, for ``--help`` (nested sections
+    are walked; a section that may be null says so)."""
+    lines = []
+    hints = _hints(schema)
+    for name, f in _fields(schema).items():
+        path, tp = prefix + name, hints[name]
+        inner = _strip_optional(tp)
+        if dataclasses.is_dataclass(inner):
+            if inner is not tp:
+                lines.append(f"{path} = {{...}} or null")
+            lines += describe_fields(inner, path + ".")
+            continue
+        missing = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = "(required)" if missing else yaml.safe_dump(_default_of(schema, name), default_flow_style=True,
+                                                              width=10_000).strip().removesuffix("...").strip()
+        lines.append(f"{path} = {default}  ({_type_name(tp)})")
+    return lines

@@ -171,8 +171,8 @@ def speculators_layout(state: dict[str, torch.Tensor], target_config, folder, *,
 
 def load_eagle_export(folder, target) -> torch.nn.Module:
     """An :class:`decode.heads.EagleHead` on ``target`` rebuilt from an ``eagle``-format export (the round trip
-    of :func:`eagle_layout`). Only folders whose drafter layer keeps its input norm fit an EagleHead: two
-    layers, the first a pass-through."""
+    of :func:`eagle_layout`): two layers, the first a pass-through (a head with its input norm), or one layer
+    without an input norm (a head trained with ``input_norm: false``)."""
     from safetensors.torch import load_file
 
     from decode.heads import EagleHead
@@ -191,9 +191,16 @@ def load_eagle_export(folder, target) -> torch.nn.Module:
     state = load_file(str(weights))
     n = int(cfg.get("num_hidden_layers", 0))
     first = {k[len("layers.0."):]: v for k, v in state.items() if k.startswith("layers.0.")}
+    if n == 1 and INPUT_NORM not in first:  # a head trained with input_norm=false: its one layer as it is
+        head = EagleHead(target, input_norm=False, fc_bias="fc.bias" in state)
+        mine = {k: v for k, v in state.items() if k.startswith("fc.")}
+        mine.update({LAYER + k: v for k, v in first.items()})
+        head.load_trainable_state_dict(mine)
+        return head.eval()
     if n != 2 or any(v.abs().max() > 0 for k, v in first.items() if "norm" not in k):
-        raise UserError(f"{folder}: an EagleHead holds one decoder layer that normalises its input; this export has "
-                        f"{n} layer(s){' and a first layer that is not a pass-through' if n == 2 else ''}, so it "
+        raise UserError(f"{folder}: an EagleHead holds one decoder layer, with its input norm after a pass-through "
+                        f"layer or without one; this export has {n} layer(s)"
+                        f"{' and a first layer that is not a pass-through' if n == 2 else ''}, so it "
                         "cannot be loaded as an EagleHead")
     head = EagleHead(target)
     mine = {"fc.weight": state["fc.weight"],

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from .common import Head
 
 
-class CalibrationPredictor(nn.Module):
+class CalibrationPredictor(Head):
     kind = "calibrator"
 
     def __init__(self, d_target: int, d_draft: int, mlp_hidden: int = 256, max_pos: int = 10):
@@ -45,17 +46,7 @@ class CalibrationPredictor(nn.Module):
         p = torch.tensor([pos])
         return float(torch.sigmoid(self(h_target.reshape(1, -1), h_draft.reshape(1, -1), p))[0])
 
-    # -- head folder protocol -------------------------------------------------------------------
-    def trainable_state_dict(self):
-        return dict(self.state_dict())
-
-    def trainable_parameters(self):
-        return list(self.parameters())
-
-    def load_trainable_state_dict(self, state) -> None:
-        from .common import load_strict
-        load_strict(self, state, set(self.state_dict()), "calibration predictor")
-
+    # -- head folder protocol (the rest: Head) ----------------------------------------------------
     def head_config(self) -> dict:
         return {"d_target": self.d_target, "d_draft": self.d_draft, "mlp_hidden": self.mlp_hidden,
                 "max_pos": self.max_pos}

@@ -1,6 +1,10 @@
-"""Plumbing shared by the heads: building a partial decoder stack out of the target's own HF
-modules, an optional draft vocabulary (decode/vocab.py), and saving/loading the trainable weights of
-a head as a folder."""
+"""Plumbing shared by the heads: the :class:`Head` base class (and the kind → class registry it fills),
+building a partial decoder stack out of the target's own HF modules, an optional draft vocabulary
+(decode/vocab.py), and saving/loading the trainable weights of a head as a folder.
+
+Head modules import this one, never the reverse: a head class registers itself by its ``kind`` when
+its module is imported (``decode/heads/__init__.py`` imports them all, and Python runs the package
+``__init__`` before any of its submodules, so the registry is full whenever :func:`load_head` runs)."""
 from __future__ import annotations
 
 import copy
@@ -17,6 +21,53 @@ from ..vocab import VOCAB_FILE, DraftVocab, expand_logits
 
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head.json"
+
+HEAD_KINDS: dict[str, type["Head"]] = {}  # kind (head.json "kind") → class; filled by Head subclasses
+
+
+class Head(nn.Module):
+    """What every head folder needs: a ``kind`` (registers the class for :func:`load_head`), the weights
+    it owns (by default all of its state dict: the target's modules are used, not registered), strict
+    loading of them, and ``head_config``/``from_head_config`` for ``head.json``. Heads built on top of a
+    target remember its signature (:meth:`_remember_target`) and refuse another one at load."""
+
+    kind: str = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if kind:
+            if kind in HEAD_KINDS and HEAD_KINDS[kind].__qualname__ != cls.__qualname__:
+                raise RuntimeError(f"head kind '{kind}' registered twice ({HEAD_KINDS[kind].__name__}, {cls.__name__})")
+            HEAD_KINDS[kind] = cls
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.state_dict())
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return list(self.parameters())
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        load_strict(self, state, set(self.trainable_state_dict()), f"{self.kind} head")
+
+    def head_config(self) -> dict:
+        """Hyper-parameters for ``head.json`` (enough for :meth:`from_head_config` to rebuild the module)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_head_config(cls, meta: dict, target, **extra) -> "Head":
+        raise NotImplementedError
+
+    def _remember_target(self, target: nn.Module) -> None:
+        self._signature = target_signature(target)
+
+    @classmethod
+    def _check_target(cls, meta: dict, target: nn.Module | None) -> nn.Module:
+        """The target a head is rebuilt on: required, and the one it was trained for."""
+        if target is None:
+            raise UserError(f"a {cls.kind} head needs its target model to be rebuilt")
+        check_signature(meta.get("target", {}), target, f"{cls.kind} head")
+        return target
 
 
 def base_model(target: nn.Module) -> nn.Module:
@@ -164,13 +215,10 @@ def read_head_config(folder) -> dict:
 
 
 def load_head(folder, target: nn.Module | None = None, *, expect: str | None = None) -> nn.Module:
-    """Rebuild a saved head (on top of ``target`` for the heads that wrap it)."""
-    from .calibrator import CalibrationPredictor
-    from .eagle import EagleHead
-    from .early_exit import EarlyExitDrafter
-
+    """Rebuild a saved head (on top of ``target`` for the heads that wrap it), by the class registered
+    for its ``kind``."""
     meta = read_head_config(folder)
-    kinds = {"eagle": EagleHead, "early_exit": EarlyExitDrafter, "calibrator": CalibrationPredictor}
+    kinds = HEAD_KINDS
     kind = meta.get("kind")
     if kind not in kinds:
         raise UserError(f"{folder}/{HEAD_CONFIG}: unknown head kind '{kind}' (known: {', '.join(kinds)})")

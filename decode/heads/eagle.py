@@ -13,6 +13,12 @@ The target's embedding and LM head are used, not owned: they are neither trained
 With a draft vocabulary (decode/vocab.py) the head's logits cover only its N tokens: the matching
 rows of the target's LM head are copied once at construction into a [N, d] buffer (not saved; the
 folder keeps the ids in ``draft_vocab.safetensors``), so a drafted token costs N·d instead of V·d.
+
+Serving layouts: vLLM, SGLang and speculators run the drafter's first decoder layer without an input
+RMSNorm, and vLLM's EAGLE-1 drafter builds ``fc`` without a bias. ``input_norm=False`` (the layer's input
+norm replaced by an identity, so no ``input_layernorm.weight``) and ``fc_bias=False`` give a head that
+`python -m toolkit export --format speculators|eagle` writes as one layer (no pass-through layer) and vLLM
+loads; the defaults (True/True) keep the original head.
 """
 from __future__ import annotations
 
@@ -22,28 +28,29 @@ from torch import nn
 
 from ..errors import UserError
 from ..vocab import DraftVocab
-from .common import (DraftVocabMixin, base_model, build_stack, check_signature, clone_layer, load_strict,
-                     sub_config, target_signature)
+from .common import DraftVocabMixin, Head, base_model, build_stack, clone_layer, sub_config
 
 
-class EagleHead(DraftVocabMixin, nn.Module):
+class EagleHead(DraftVocabMixin, Head):
     kind = "eagle"
 
     INITS = ("identity", "last_layer", "random")
 
-    def __init__(self, target: nn.Module, init: str = "identity", draft_vocab: DraftVocab | None = None):
+    def __init__(self, target: nn.Module, init: str = "identity", draft_vocab: DraftVocab | None = None,
+                 input_norm: bool = True, fc_bias: bool = True):
         """init: ``identity`` = the target's last layer with its output projections zeroed, so the
         head starts as f̂_{t+1} = f_t and learns a residual (a copy of the last layer applied to a
         post-norm feature starts far off); ``last_layer`` = plain copy; ``random`` = fresh layer.
-        draft_vocab: draft from these target ids only (None = the full vocabulary)."""
+        draft_vocab: draft from these target ids only (None = the full vocabulary).
+        input_norm / fc_bias: keep the decoder layer's input RMSNorm / a bias on ``fc`` (module docstring)."""
         super().__init__()
         if init not in self.INITS:
             raise UserError(f"eagle head init must be one of {', '.join(self.INITS)}, got '{init}'")
         base = base_model(target)
         total = len(base.layers)
         d = target.config.hidden_size
-        self._signature = target_signature(target)
-        self.init = init
+        self._remember_target(target)
+        self.init, self.input_norm, self.fc_bias = init, bool(input_norm), bool(fc_bias)
         layer = clone_layer(base.layers[-1], 0)
         if init == "identity":
             with torch.no_grad():
@@ -53,15 +60,20 @@ class EagleHead(DraftVocabMixin, nn.Module):
         if init == "random":
             layer = type(base.layers[-1])(sub_config(target.config, [total - 1]), 0).to(
                 next(base.parameters()).device)
+        if not input_norm:
+            if not hasattr(layer, "input_layernorm"):
+                raise UserError(f"eagle head input_norm=false: {type(layer).__name__} has no input_layernorm to drop")
+            layer.input_layernorm = nn.Identity()
         # tuple: the target's modules are used but not registered (not trained, not saved)
         self._shared = (base.embed_tokens, target.get_output_embeddings())
         self.model = build_stack(target, [layer], [total - 1], norm=nn.Identity(), embed=nn.Identity())
         p = next(base.parameters())
-        self.fc = nn.Linear(2 * d, d, bias=True, device=p.device, dtype=p.dtype)
+        self.fc = nn.Linear(2 * d, d, bias=self.fc_bias, device=p.device, dtype=p.dtype)
         with torch.no_grad():  # start as "pass the feature through" so early training is stable
             self.fc.weight.zero_()
             self.fc.weight[:, d:].copy_(torch.eye(d))
-            self.fc.bias.zero_()
+            if self.fc_bias:
+                self.fc.bias.zero_()
         self._set_draft_vocab(draft_vocab, target)
         if draft_vocab is not None:
             out = target.get_output_embeddings()
@@ -77,24 +89,15 @@ class EagleHead(DraftVocabMixin, nn.Module):
     def lm_head(self) -> nn.Module:
         return self._shared[1]
 
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.state_dict())
-
-    def trainable_parameters(self):
-        return list(self.parameters())
-
-    def load_trainable_state_dict(self, state) -> None:
-        load_strict(self, state, set(self.state_dict()), "eagle head")
-
     def head_config(self) -> dict:
-        return {"init": self.init, "target": self._signature, **self.draft_vocab_config()}
+        return {"init": self.init, "input_norm": self.input_norm, "fc_bias": self.fc_bias,
+                "target": self._signature, **self.draft_vocab_config()}
 
     @classmethod
     def from_head_config(cls, meta: dict, target, draft_vocab: DraftVocab | None = None) -> "EagleHead":
-        if target is None:
-            raise UserError("an EAGLE head needs its target model to be rebuilt")
-        check_signature(meta.get("target", {}), target, "EAGLE head")
-        return cls(target, init=meta.get("init", "identity"), draft_vocab=draft_vocab)
+        # heads saved before input_norm/fc_bias existed had both
+        return cls(cls._check_target(meta, target), init=meta.get("init", "identity"), draft_vocab=draft_vocab,
+                   input_norm=meta.get("input_norm", True), fc_bias=meta.get("fc_bias", True))
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, past_key_values=None,
                 attention_mask=None, use_cache: bool = False, position_ids=None) -> torch.Tensor:

@@ -20,8 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..errors import UserError
 from ..vocab import DraftVocab
-from .common import (DraftVocabMixin, base_model, build_stack, check_signature, clone_layer, load_strict,
-                     target_signature)
+from .common import DraftVocabMixin, Head, base_model, build_stack, clone_layer
 
 
 def default_exit_layers(num_layers: int) -> int:
@@ -29,7 +28,7 @@ def default_exit_layers(num_layers: int) -> int:
     return max(1, round(0.1 * num_layers))
 
 
-class EarlyExitDrafter(DraftVocabMixin, nn.Module):
+class EarlyExitDrafter(DraftVocabMixin, Head):
     kind = "early_exit"
 
     def __init__(self, target: nn.Module, n_layers: int | None = None, draft_vocab: DraftVocab | None = None):
@@ -40,7 +39,7 @@ class EarlyExitDrafter(DraftVocabMixin, nn.Module):
         if not 1 <= n < total:
             raise UserError(f"early-exit n_layers must be in [1, {total - 1}] for a {total}-layer target, got {n}")
         self.n_layers = n
-        self._signature = target_signature(target)
+        self._remember_target(target)
         exit_layer = clone_layer(base.layers[-1], n)
         self.model = build_stack(target, list(base.layers[:n]) + [exit_layer], list(range(n)) + [total - 1],
                                  norm=copy.deepcopy(base.norm), embed=base.embed_tokens)
@@ -71,18 +70,12 @@ class EarlyExitDrafter(DraftVocabMixin, nn.Module):
         for k, p in self.named_parameters():
             p.requires_grad_(k.startswith(self._trainable_prefixes()))
 
-    def load_trainable_state_dict(self, state) -> None:
-        load_strict(self, state, set(self.trainable_state_dict()), "early-exit head")
-
     def head_config(self) -> dict:
         return {"n_layers": self.n_layers, "target": self._signature, **self.draft_vocab_config()}
 
     @classmethod
     def from_head_config(cls, meta: dict, target, draft_vocab: DraftVocab | None = None) -> "EarlyExitDrafter":
-        if target is None:
-            raise UserError("an early-exit head needs its target model to be rebuilt")
-        check_signature(meta.get("target", {}), target, "early-exit head")
-        return cls(target, meta["n_layers"], draft_vocab=draft_vocab)
+        return cls(cls._check_target(meta, target), meta["n_layers"], draft_vocab=draft_vocab)
 
     # -- compute ----------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, past_key_values=None, attention_mask=None, use_cache: bool = False,

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 
 from decode.errors import UserError
 from decode.io import atomic_path, atomic_write_text
-from decode.heads import CalibrationPredictor, load_head, save_head, read_head_config
+from decode.heads import CalibrationPredictor, load_head, read_head_config
 
 from .data import is_heldout
-from .heads import (HeadRecipe, count_trainable, fit, head_placement, load_distilled_examples, load_frozen_target,
-                    out_dir_of, write_eval)
+from .heads import (HeadRecipe, count_trainable, finish, fit, head_fingerprint, head_placement,
+                    load_distilled_examples, load_frozen_target, out_dir_of)
 
 KIND = "calibrator"
 DATA_FILE = "calibration_rows.safetensors"
@@ -222,8 +222,6 @@ def train(recipe: CalibratorRecipe) -> dict:
 
     from toolkit.config import to_dict
 
-    from .runtime import train_fingerprint
-
     out = out_dir_of(recipe, KIND)
     place = head_placement(recipe)
     target, tok = load_frozen_target(recipe.target, place)
@@ -235,24 +233,21 @@ def train(recipe: CalibratorRecipe) -> dict:
     d_draft = rows["h_draft"].shape[1]
     model = CalibrationPredictor(target.config.hidden_size, d_draft, recipe.head.mlp_hidden, recipe.head.max_pos)
     train_ds = RowDataset(rows, ~held)
-    fp = {"kind": KIND, "target": recipe.target, "task": recipe.task, "rows": len(train_ds),
-          "head": to_dict(recipe.head), "collect": to_dict(recipe.collect),
-          "train": train_fingerprint(recipe.train, place)}
-    trained, seconds = fit(model, loss_fn, train_ds, default_data_collator, recipe, out, fp, place)
+    fp = head_fingerprint(recipe, KIND, place, rows=len(train_ds), head=to_dict(recipe.head),
+                          collect=to_dict(recipe.collect))
+    run = fit(model, loss_fn, train_ds, default_data_collator, recipe, out, fp, place)
+    trained = run.module
     if trained is None:
         return {}
     trained.eval()
     with place.autocast():
         metrics = {"train": evaluate(trained, rows, ~held), "heldout": evaluate(trained, rows, held)}
-    report = {"kind": KIND, "task": recipe.task, "target": recipe.target,
-              "drafter": recipe.collect.drafter or f"runs/heads/early_exit/{recipe.task}",
-              "trainable_params": count_trainable(trained), "train_seconds": round(seconds, 1),
-              "train_rows": len(train_ds), **metrics, "recipe": to_dict(recipe)}
-    save_head(trained, out, extra={"target_spec": recipe.target, "task": recipe.task})
-    write_eval(out, report)
-    return report
+    return finish(trained, recipe, KIND, out, run,
+                  drafter=recipe.collect.drafter or f"runs/heads/early_exit/{recipe.task}",
+                  trainable_params=count_trainable(trained), train_rows=len(train_ds), **metrics)
 
 
 def main(argv=None) -> int:
-    from .heads import run_main
-    return run_main(KIND, CalibratorRecipe, train, argv)
+    """``python -m toolkit train calibrator`` (scripts/train_calibrator.py)."""
+    from .cli import main_for
+    return main_for(KIND, argv)

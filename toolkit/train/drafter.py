@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -20,14 +19,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from decode.errors import UserError, run_user_command
+from decode.errors import UserError
 from decode.io import atomic_write_json
 from decode.models import DEFAULT_TARGET, check_vocab_compatible, load_model
 
-from ..config import load_recipe, to_dict
+from ..config import to_dict
 from .data import DataSection, collator, load_examples, split_heldout, tokenize_sft
-from .runtime import (LossTrainer, Placement, TrainSection, deepspeed_config, is_main_process, placement,
-                      resume_checkpoint, train_fingerprint, trained_module, training_arguments)
+from .runtime import (Placement, TrainSection, deepspeed_config, is_main_process, placement, run_training,
+                      train_fingerprint)
 
 
 @dataclass
@@ -256,8 +255,8 @@ def out_dir_for(recipe: DrafterRecipe, task: str) -> Path:
 def _fingerprint(recipe: DrafterRecipe, task: str, place: Placement) -> dict:
     """What a checkpoint depends on; resume=auto refuses checkpoints whose setup differs."""
     d = to_dict(recipe)
-    train = {k: v for k, v in train_fingerprint(recipe.train, place).items()
-             if k not in ("max_steps", "epochs", "logging_steps", "save_steps", "save_total_limit", "dataloader_workers")}
+    train = train_fingerprint(recipe.train, place, ignore=("max_steps", "epochs", "logging_steps", "save_steps",
+                                                           "save_total_limit", "dataloader_workers"))
     data = {k: v for k, v in d["data"].items() if k != "heldout_max"}
     return {"task": task, "target": recipe.target, "model": d["model"], "data": data, "kd": d["kd"], "train": train}
 
@@ -292,33 +291,23 @@ def train_drafter(recipe: DrafterRecipe, task: str, *, recipe_file: str | None =
 
     model = build_drafter(recipe.model, target, ttok, trust_remote_code=recipe.trust_remote_code)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    args = training_arguments(recipe.train, out / "checkpoints", ds_cfg, place)  # after the model: see its docstring
-    fingerprint = _fingerprint(recipe, task, place)
-    resume = resume_checkpoint(recipe.resume, out / "checkpoints", fingerprint, out / "run.json")
     if main:
-        atomic_write_json(out / "run.json", fingerprint, indent=2, sort_keys=True)
         print(f"[train-drafter] task={task} recipe={recipe.name} examples={len(train_ds)} held-out="
               f"{len(held_ds) if held_ds else 0} trainable params={trainable:,} deepspeed="
-              f"{recipe.train.deepspeed or 'off'} device={place.device} dtype={str(place.dtype)[6:]} out={out}" + (f" resuming from {resume}" if resume else ""),
+              f"{recipe.train.deepspeed or 'off'} device={place.device} dtype={str(place.dtype)[6:]} out={out}",
               flush=True)
-
-    trainer = LossTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator(ttok),
-                          processing_class=ttok, loss_fn=make_loss(recipe.kd, target), callbacks=list(callbacks))
-    t0 = time.time()
-    result = trainer.train(resume_from_checkpoint=resume)
-    seconds = time.time() - t0
 
     def rebuild():
         return build_drafter(recipe.model, target, ttok, init=False, trust_remote_code=recipe.trust_remote_code)
 
-    module = trained_module(trainer, rebuild)
+    run = run_training(model, make_loss(recipe.kd, target), train_ds, collator(ttok), section=recipe.train,
+                       resume=recipe.resume, out=out, fingerprint=_fingerprint(recipe, task, place), place=place,
+                       processing_class=ttok, callbacks=callbacks, rebuild=rebuild, tag="train-drafter")
+    module = run.module
     export = out / "export"
     if module is not None:
         module = module.to("cpu").eval()
-        losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-        summary = {"global_step": trainer.state.global_step, "train_loss": result.training_loss,
-                   "last_logged_loss": losses[-1] if losses else None, "seconds": round(seconds, 1),
-                   "examples": len(train_ds), "trainable_parameters": trainable, "resumed_from": resume}
+        summary = {**run.summary(), "examples": len(train_ds), "trainable_parameters": trainable}
         recipe_dict = {**to_dict(recipe), "file": recipe_file}
         export_model(module, ttok, export, target=recipe.target, target_tokenizer=ttok, task=task,
                      recipe=recipe_dict, extra={"training": summary})
@@ -332,31 +321,31 @@ def train_drafter(recipe: DrafterRecipe, task: str, *, recipe_file: str | None =
                   f"{metrics['acceptance']:.3f} over {metrics['positions']} positions; export → {export}", flush=True)
         else:
             print(f"[train-drafter] export → {export} (no held-out evaluation)", flush=True)
-    trainer.accelerator.wait_for_everyone()
+    run.trainer.accelerator.wait_for_everyone()
     return export
 
 
+def train(recipe: DrafterRecipe, task: str, recipe_file: str | None = None) -> Path:
+    """The catalog's entry (:mod:`.kinds`): ``python -m toolkit train drafter``."""
+    return train_drafter(recipe, task, recipe_file=recipe_file)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--recipe", required=True, help="recipes/drafters/<name>.yaml")
-    parser.add_argument("--task", required=True, help="distilled task to train on (math, code, chat, ...) or 'all'")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="recipe overrides, e.g. train.max_steps=20 kd.weight=0.5 train.deepspeed=zero3 "
-                             "train.device=cuda train.dtype=bfloat16")
+    """``python -m toolkit train-drafter`` (= ``train drafter``, kept for existing command lines)."""
+    from .cli import add_kind_arguments
+
+    add_kind_arguments(parser, "drafter")
 
 
 def run(args) -> int:
-    """``python -m toolkit train-drafter`` / ``scripts/train_drafter.py``: UserErrors propagate to the CLI."""
-    recipe = load_recipe(DrafterRecipe, args.recipe, args.overrides)
-    train_drafter(recipe, args.task, recipe_file=args.recipe)
-    return 0
+    """UserErrors propagate to the CLI."""
+    from .cli import run_kind
+
+    return run_kind("drafter", args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="train_drafter", description="Train a task drafter for the target on self-distilled data.",
-        epilog="Launch with python, torchrun or deepspeed; the command line is the same for all three.")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_user_command(run, args,
-                            interrupted="interrupted; rerun the same command to resume from the latest checkpoint")
+    """``scripts/train_drafter.py`` (python, torchrun or deepspeed: the command line is the same)."""
+    from .cli import main_for
+
+    return main_for("drafter", argv)

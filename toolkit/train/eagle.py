@@ -18,13 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from decode.errors import UserError
-from decode.heads import EagleHead, save_head
+from decode.heads import EagleHead
 
 from .data import collator
 from toolkit.config import DraftVocabSection
 
-from .heads import (HeadRecipe, OpenTextSection, build_draft_vocab, count_trainable, fit, head_placement,
-                    load_frozen_target, out_dir_of, tokenized_splits, with_open_text, write_eval)
+from .heads import HeadRecipe, OpenTextSection, count_trainable, finish, fit, head_fingerprint, text_setup
 from .metrics import position_stats
 
 KIND = "eagle"
@@ -35,6 +34,10 @@ class EagleSection:
     init: Literal["identity", "last_layer", "random"] = "identity"  # see decode.heads.EagleHead
     ce_weight: float = 0.1  # EAGLE-1's w
     noise: float = 0.1  # half-width of U(-a, a) added to input features while training (0 = off)
+    # serving layout: false/false = no input RMSNorm on the layer, no fc bias, which vLLM, SGLang and
+    # speculators run (`python -m toolkit export --format speculators` and vLLM load it); true/true = EAGLE-1's head
+    input_norm: bool = True
+    fc_bias: bool = True
 
     def __post_init__(self):
         if self.ce_weight < 0 or self.noise < 0:
@@ -120,35 +123,24 @@ def heldout_agreement(module: EagleTrainModule, examples, progress: bool = True)
 def train(recipe: EagleRecipe) -> dict:
     from toolkit.config import to_dict
 
-    from .runtime import train_fingerprint
-
-    out = out_dir_of(recipe, KIND)
-    place = head_placement(recipe)
-    target, tok = load_frozen_target(recipe.target, place)
-    distilled, held = tokenized_splits(recipe, tok)
-    train_ds, n_open = with_open_text(distilled, recipe.open_text, tok, recipe.data.max_length, recipe.train.seed)
-    vocab = build_draft_vocab(recipe.draft_vocab, distilled, tok, target)
-    head = EagleHead(target, init=recipe.head.init, draft_vocab=vocab)
-    module = EagleTrainModule(target, head)
-    fp = {"kind": KIND, "target": recipe.target, "task": recipe.task, "examples": len(train_ds),
-          "head": to_dict(recipe.head), "draft_vocab": to_dict(recipe.draft_vocab),
-          "train": train_fingerprint(recipe.train, place)}
-    trained, seconds = fit(module, make_loss(recipe.head), train_ds, collator(tok), recipe, out, fp, place)
+    st = text_setup(recipe, KIND)
+    head = EagleHead(st.target, init=recipe.head.init, draft_vocab=st.vocab, input_norm=recipe.head.input_norm,
+                     fc_bias=recipe.head.fc_bias)
+    fp = head_fingerprint(recipe, KIND, st.place, examples=len(st.train), head=to_dict(recipe.head),
+                          draft_vocab=to_dict(recipe.draft_vocab))
+    run = fit(EagleTrainModule(st.target, head), make_loss(recipe.head), st.train, collator(st.tokenizer), recipe,
+              st.out, fp, st.place)
+    trained = run.module
     if trained is None:
         return {}
-    with place.autocast():
-        heldout = heldout_agreement(trained, held, recipe.progress) if len(held) else None
-    report = {"kind": KIND, "task": recipe.task, "target": recipe.target, "train_examples": {"distilled": len(distilled), "open_text": n_open},
-              "trainable_params": count_trainable(trained.head), "train_seconds": round(seconds, 1),
-              "feature": "post-norm final hidden state (LM-head input)",
-              "draft_vocab": None if vocab is None else vocab.info,
-              "heldout": heldout,
-              "recipe": to_dict(recipe)}
-    save_head(trained.head, out, extra={"target_spec": recipe.target, "task": recipe.task})
-    write_eval(out, report)
-    return report
+    with st.place.autocast():
+        heldout = heldout_agreement(trained, st.heldout, recipe.progress) if len(st.heldout) else None
+    return finish(trained.head, recipe, KIND, st.out, run, train_examples=st.train_examples(),
+                  trainable_params=count_trainable(trained.head),
+                  feature="post-norm final hidden state (LM-head input)", draft_vocab=st.vocab_info(), heldout=heldout)
 
 
 def main(argv=None) -> int:
-    from .heads import run_main
-    return run_main(KIND, EagleRecipe, train, argv)
+    """``python -m toolkit train eagle`` (scripts/train_eagle.py)."""
+    from .cli import main_for
+    return main_for(KIND, argv)

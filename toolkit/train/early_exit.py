@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 
 import torch.nn.functional as F
 
-from decode.heads import EarlyExitDrafter, save_head
+from decode.heads import EarlyExitDrafter
 from toolkit.config import DraftVocabSection
 
 from .data import collator
-from .heads import (HeadRecipe, OpenTextSection, build_draft_vocab, count_trainable, fit, head_placement,
-                    load_frozen_target, out_dir_of, tokenized_splits, with_open_text, write_eval)
+from .heads import HeadRecipe, OpenTextSection, count_trainable, finish, fit, head_fingerprint, text_setup
 from .metrics import heldout_agreement
 
 KIND = "early_exit"
@@ -50,37 +49,24 @@ def loss_fn(model: EarlyExitDrafter, inputs):
 def train(recipe: EarlyExitRecipe) -> dict:
     from toolkit.config import to_dict
 
-    from .runtime import train_fingerprint
-
-    out = out_dir_of(recipe, KIND)
-    place = head_placement(recipe)
-    target, tok = load_frozen_target(recipe.target, place)
-    distilled, held = tokenized_splits(recipe, tok)
-    train_ds, n_open = with_open_text(distilled, recipe.open_text, tok, recipe.data.max_length, recipe.train.seed)
-    vocab = build_draft_vocab(recipe.draft_vocab, distilled, tok, target)
-    head = EarlyExitDrafter(target, recipe.head.n_layers, draft_vocab=vocab)
+    st = text_setup(recipe, KIND)
+    head = EarlyExitDrafter(st.target, recipe.head.n_layers, draft_vocab=st.vocab)
     head.freeze_shared()
-    fp = {"kind": KIND, "target": recipe.target, "task": recipe.task, "examples": len(train_ds),
-          "head": to_dict(recipe.head), "open_text": to_dict(recipe.open_text),
-          "draft_vocab": to_dict(recipe.draft_vocab),
-          "train": train_fingerprint(recipe.train, place)}
-    trained, seconds = fit(head, loss_fn, train_ds, collator(tok), recipe, out, fp, place)
+    fp = head_fingerprint(recipe, KIND, st.place, examples=len(st.train), head=to_dict(recipe.head),
+                          open_text=to_dict(recipe.open_text), draft_vocab=to_dict(recipe.draft_vocab))
+    run = fit(head, loss_fn, st.train, collator(st.tokenizer), recipe, st.out, fp, st.place)
+    trained = run.module
     if trained is None:
         return {}
     trained.eval()
-    with place.autocast():
-        heldout = heldout_agreement(trained, target, held, progress=recipe.progress) if len(held) else None
-    report = {"kind": KIND, "task": recipe.task, "target": recipe.target, "n_layers": trained.n_layers,
-              "train_examples": {"distilled": len(distilled), "open_text": n_open},
-              "trainable_params": count_trainable(trained), "train_seconds": round(seconds, 1),
-              "draft_vocab": None if vocab is None else vocab.info,
-              "heldout": heldout,
-              "recipe": to_dict(recipe)}
-    save_head(trained, out, extra={"target_spec": recipe.target, "task": recipe.task})
-    write_eval(out, report)
-    return report
+    with st.place.autocast():
+        heldout = (heldout_agreement(trained, st.target, st.heldout, progress=recipe.progress)
+                   if len(st.heldout) else None)
+    return finish(trained, recipe, KIND, st.out, run, n_layers=trained.n_layers, train_examples=st.train_examples(),
+                  trainable_params=count_trainable(trained), draft_vocab=st.vocab_info(), heldout=heldout)
 
 
 def main(argv=None) -> int:
-    from .heads import run_main
-    return run_main(KIND, EarlyExitRecipe, train, argv)
+    """``python -m toolkit train early-exit`` (scripts/train_early_exit.py)."""
+    from .cli import main_for
+    return main_for(KIND, argv)

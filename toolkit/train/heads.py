@@ -1,6 +1,8 @@
 """What the three self-drafting head recipes (EAGLE, early exit, calibrator) share on top of the
 trainer plumbing (:mod:`.runtime`, :mod:`.data`): the recipe skeleton, target loading, tokenised
-train/held-out splits and one ``fit`` that runs :class:`.runtime.LossTrainer` with resume.
+train/held-out splits, the run fingerprint, ``fit`` (:func:`.runtime.run_training`, the plumbing every kind
+shares, drafters included) and the finish (report + head folder). A head's module supplies its recipe
+section, its module, its loss and its report fields; the kind catalog is :mod:`.kinds`.
 
 A head's train module registers only what the head owns (the frozen target is held outside the
 module), so Trainer checkpoints stay small and never contain tied/shared tensors twice.
@@ -8,22 +10,19 @@ module), so Trainer checkpoints stay small and never contain tied/shared tensors
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from decode.errors import UserError, run_user_command
+from decode.errors import UserError
 from decode.io import atomic_write_json
 from decode.models import DEFAULT_TARGET
 
 from .data import DataSection, load_examples, split_heldout, tokenize_sft
-from .runtime import (LossTrainer, Placement, TrainSection, deepspeed_config, is_main_process, placement,
-                      resume_checkpoint, trained_module, training_arguments)
+from .runtime import Placement, TrainRun, TrainSection, deepspeed_config, placement, run_training, train_fingerprint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-RECIPES = REPO_ROOT / "recipes" / "heads"
 
 
 @dataclass
@@ -56,16 +55,6 @@ class OpenTextSection:
 
 def out_dir_of(recipe: HeadRecipe, kind: str) -> Path:
     return Path(recipe.out_dir or f"runs/heads/{kind}/{recipe.task}")
-
-
-def load_head_recipe(schema, kind: str, path: str | None, overrides, task: str | None):
-    from toolkit.config import load_recipe
-
-    path = path or RECIPES / f"{kind}.yaml"
-    if not Path(path).is_file():
-        raise UserError(f"recipe {path} not found; pass --recipe recipes/heads/<name>.yaml")
-    over = list(overrides) + ([f"task={task}"] if task else [])
-    return load_recipe(schema, path, over)
 
 
 def head_placement(recipe: HeadRecipe) -> Placement:
@@ -160,45 +149,71 @@ def with_open_text(distilled, section: OpenTextSection, tokenizer, max_length: i
     return concatenate_datasets([distilled, opened]).shuffle(seed=seed), len(opened)
 
 
+@dataclass
+class TextSetup:
+    """What the text-trained drafting heads (EAGLE, early exit) start from: the frozen target, the tokenised
+    distilled splits, the training set with open text mixed in, and the draft vocabulary."""
+
+    out: Path
+    place: Placement
+    target: torch.nn.Module
+    tokenizer: object
+    distilled: object  # tokenised distilled training split (the draft vocabulary's source)
+    heldout: object
+    train: object  # distilled + open text, shuffled
+    open_rows: int
+    vocab: object  # decode.vocab.DraftVocab or None
+
+    def train_examples(self) -> dict:
+        return {"distilled": len(self.distilled), "open_text": self.open_rows}
+
+    def vocab_info(self):
+        return None if self.vocab is None else self.vocab.info
+
+
+def text_setup(recipe, kind: str) -> TextSetup:
+    """Placement first (an impossible device fails before the target loads), then target, data, vocabulary."""
+    out = out_dir_of(recipe, kind)
+    place = head_placement(recipe)
+    target, tok = load_frozen_target(recipe.target, place)
+    distilled, held = tokenized_splits(recipe, tok)
+    train_ds, n_open = with_open_text(distilled, recipe.open_text, tok, recipe.data.max_length, recipe.train.seed)
+    vocab = build_draft_vocab(recipe.draft_vocab, distilled, tok, target)
+    return TextSetup(out, place, target, tok, distilled, held, train_ds, n_open, vocab)
+
+
+def head_fingerprint(recipe: HeadRecipe, kind: str, place: Placement, **parts) -> dict:
+    """What a head's checkpoints depend on (resume=auto refuses others): the common fields + ``parts``."""
+    return {"kind": kind, "target": recipe.target, "task": recipe.task,
+            "train": train_fingerprint(recipe.train, place), **parts}
+
+
 def fit(module: torch.nn.Module, loss_fn, train_ds, collate, recipe: HeadRecipe, out: Path,
-        fingerprint: dict, place: Placement | None = None) -> tuple[torch.nn.Module | None, float]:
-    """Train ``module`` (only its requires_grad parameters) with the shared Trainer; resumes from
-    ``out/checkpoints`` when the setup matches. Returns (trained module on rank 0, seconds)."""
-    ckpt = out / "checkpoints"
-    run_file = out / "run.json"
-    resume = resume_checkpoint(recipe.resume, ckpt, fingerprint, run_file)
-    if is_main_process():
-        atomic_write_json(run_file, fingerprint, indent=2, sort_keys=True)
-    ds_cfg = deepspeed_config(recipe.train.deepspeed)
-    args = training_arguments(recipe.train, ckpt, ds_cfg, place)
-    args.disable_tqdm = not recipe.progress
-    trainer = LossTrainer(model=module, args=args, train_dataset=train_ds, data_collator=collate, loss_fn=loss_fn)
-    t0 = time.perf_counter()
-    trainer.train(resume_from_checkpoint=resume)
-    seconds = time.perf_counter() - t0
-    return trained_module(trainer, lambda: module), seconds
+        fingerprint: dict, place: Placement) -> TrainRun:
+    """Train ``module`` (only its requires_grad parameters) with the shared plumbing
+    (:func:`.runtime.run_training`); ``run.module`` is the trained module on rank 0, None elsewhere."""
+    return run_training(module, loss_fn, train_ds, collate, section=recipe.train, resume=recipe.resume, out=out,
+                        fingerprint=fingerprint, place=place, progress=recipe.progress,
+                        tag=f"train {fingerprint['kind']}")
 
 
 def count_trainable(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
+def finish(head, recipe: HeadRecipe, kind: str, out: Path, run: TrainRun, **fields) -> dict:
+    """Save the head folder and its ``eval.json`` (the common report fields, the run's training summary —
+    steps, seconds, tokens/s, whether the time budget stopped it — and the kind's ``fields``)."""
+    from decode.heads import save_head
+    from toolkit.config import to_dict
+
+    report = {"kind": kind, "task": recipe.task, "target": recipe.target, **fields,
+              "train_seconds": round(run.seconds, 1), "training": run.summary(), "recipe": to_dict(recipe)}
+    save_head(head, out, extra={"target_spec": recipe.target, "task": recipe.task})
+    write_eval(out, report)
+    return report
+
+
 def write_eval(out: Path, report: dict) -> None:
     atomic_write_json(out / "eval.json", report, indent=2, sort_keys=True)
     print(json.dumps(report, indent=2))
-
-
-def run_main(kind: str, schema, train_fn, argv=None) -> int:
-    """Shared command line of the head launchers: ``--recipe``, ``--task`` and ``key=value`` overrides;
-    user errors print one line and exit 2."""
-    import argparse
-    import os
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    ap = argparse.ArgumentParser(description=f"train the {kind} head (recipes/heads/{kind}.yaml)")
-    ap.add_argument("--recipe", default=None, help=f"YAML recipe (default recipes/heads/{kind}.yaml)")
-    ap.add_argument("--task", default=None, help="task whose distilled set to train on (runs/distill/<task>)")
-    ap.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. train.max_steps=20 train.device=cuda train.dtype=bfloat16")
-    args = ap.parse_args(argv)
-    return run_user_command(lambda: train_fn(load_head_recipe(schema, kind, args.recipe, args.overrides, args.task)),
-                            interrupted="interrupted; rerun the same command to resume from the latest checkpoint")

@@ -3,8 +3,14 @@
 The same command runs as ``python``, ``torchrun`` or ``deepspeed`` (CPU accelerator + gloo here, GPUs
 and several nodes elsewhere): the launcher only sets rank environment variables, and the DeepSpeed
 config is a JSON file from ``recipes/deepspeed`` whose "auto" values the Trainer fills in.
-Artifacts supply a model and a ``loss_fn``; checkpoints, exact resume and gathering the trained
-weights (also from ZeRO-3 shards) happen here.
+Artifacts supply a model and a ``loss_fn``; :func:`run_training` does the rest once for every kind (resume
+check, run record, training arguments, the loss trainer, a time budget, throughput, gathering the trained
+weights, also from ZeRO-3 shards).
+
+Time budget (``train.max_minutes``): training stops after the first optimizer step past the budget, saves a
+checkpoint there and returns as at ``max_steps`` (the caller exports); rerunning the same command resumes
+from that checkpoint for another budget. Throughput: tokens (attention-mask positions; rows for inputs
+without a mask) per second of training, in the progress logs and the run's summary.
 
 Device and dtype (``train.device``, ``train.dtype``; :func:`placement`): ``auto`` trains on CUDA when a GPU
 is visible (each process of a multi-process launch on GPU ``LOCAL_RANK``), else on the CPU; ``train.dtype``
@@ -21,15 +27,17 @@ import contextlib
 import json
 import os
 import socket
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from decode.errors import UserError
+from decode.io import atomic_write_json
 
 from ..config import DTypeName, check_device_spec, resolve_device_field, to_dict
 
@@ -41,6 +49,7 @@ DEEPSPEED_DIR = REPO_ROOT / "recipes" / "deepspeed"
 class TrainSection:
     max_steps: int = -1  # > 0 overrides epochs (`make train-drafter MAX_STEPS=n` for smoke runs)
     epochs: float = 1.0
+    max_minutes: float | None = None  # time budget: stop (checkpoint + export) after this much training; null = none
     batch_size: int = 8  # per device
     grad_accum: int = 1
     lr: float = 5e-4
@@ -72,6 +81,9 @@ class TrainSection:
             raise UserError(f"train.lr must be > 0, got {self.lr}")
         if self.warmup < 0:
             raise UserError(f"train.warmup must be >= 0 (a ratio < 1 or a step count), got {self.warmup}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise UserError(f"train.max_minutes must be > 0 (minutes of training) or null (no budget), "
+                            f"got {self.max_minutes}")
 
 
 # --------------------------------------------------------------------------- launch environment
@@ -136,11 +148,13 @@ def placement(section: TrainSection, *, deepspeed: bool = False) -> Placement:
     return Placement(dev, getattr(torch, spec))
 
 
-def train_fingerprint(section: TrainSection, place: Placement) -> dict:
+def train_fingerprint(section: TrainSection, place: Placement, ignore: tuple[str, ...] = ()) -> dict:
     """The train section as a checkpoint depends on it: the resolved compute dtype (``auto`` differs between
-    machines), not the device (a run may resume on another device)."""
+    machines), not the device (a run may resume on another device) nor the time budget (a stopped run
+    resumes with another one); ``ignore`` drops more fields."""
     d = to_dict(section)
-    d.pop("device", None)
+    for k in ("device", "max_minutes", *ignore):
+        d.pop(k, None)
     d["dtype"] = str(place.dtype).removeprefix("torch.")
     return d
 
@@ -233,8 +247,34 @@ class LossTrainer(Trainer):
         self.loss_fn = loss_fn
         self.model_accepts_loss_kwargs = False
         self._extra: dict[str, list[float]] = defaultdict(list)
+        self.tokens_seen = 0  # this call of train(); this process until run_training sums the processes
+        self.token_unit = "tokens"
+        self.train_seconds = 0.0
+        self._t0: float | None = None
+
+    def train(self, *args, **kwargs):
+        self.tokens_seen, self._t0 = 0, time.perf_counter()
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.train_seconds = time.perf_counter() - self._t0
+
+    def tokens_per_second(self) -> float:
+        elapsed = (time.perf_counter() - self._t0) if self._t0 is not None else 0.0
+        return self.tokens_seen / elapsed if elapsed > 0 else 0.0
+
+    def _count(self, inputs: dict) -> None:
+        mask = inputs.get("attention_mask")
+        if mask is not None:
+            self.tokens_seen += int(mask.sum())
+        else:  # row data (the calibrator): count rows
+            self.token_unit = "rows"
+            first = next((v for v in inputs.values() if hasattr(v, "shape") and v.ndim), None)
+            self.tokens_seen += int(first.shape[0]) if first is not None else 0
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:
+            self._count(inputs)
         with self._autocast():  # also the frozen target's and submodule forwards, which the Trainer's own
             loss, logs = self.loss_fn(model, inputs)  # autocast (around model.forward only) would miss
         if model.training:
@@ -256,7 +296,120 @@ class LossTrainer(Trainer):
         if self._extra and "loss" in logs:
             logs.update({k: round(sum(v) / len(v), 4) for k, v in self._extra.items()})
             self._extra.clear()
+        if "loss" in logs and self._t0 is not None:
+            logs[f"{self.token_unit}_per_s"] = round(self.tokens_per_second(), 1)
         super().log(logs, *args, **kwargs)
+
+
+class TimeBudget(TrainerCallback):
+    """Stops training after the first optimizer step past ``minutes`` of training (measured from the start of
+    this ``train()`` call) and saves a checkpoint there; every rank stops at the same step."""
+
+    def __init__(self, minutes: float):
+        self.seconds = minutes * 60.0
+        self.t0 = None
+        self.stopped = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        over = time.perf_counter() - self.t0 >= self.seconds and state.global_step < state.max_steps
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = torch.tensor([float(over)], device=args.device)  # rank 0's clock differs from the others'
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            over = bool(flag.item())
+        if over and not control.should_training_stop:
+            self.stopped = True
+            control.should_training_stop = True
+            control.should_save = True
+        return control
+
+
+# --------------------------------------------------------------------------- one training run
+
+@dataclass
+class TrainRun:
+    """What :func:`run_training` returns: the trained module (None on ranks other than 0) and the facts of
+    the run for its record (:meth:`summary`)."""
+
+    module: torch.nn.Module | None
+    trainer: LossTrainer
+    seconds: float
+    training_loss: float
+    resumed_from: str | None
+    stopped_by_time_budget: bool
+
+    def summary(self) -> dict:
+        state = self.trainer.state
+        losses = [r["loss"] for r in state.log_history if "loss" in r]
+        unit = self.trainer.token_unit
+        return {"global_step": state.global_step, "train_loss": self.training_loss,
+                "last_logged_loss": losses[-1] if losses else None, "seconds": round(self.seconds, 1),
+                f"train_{unit}": self.trainer.tokens_seen,
+                f"{unit}_per_second": round(self.trainer.tokens_seen / self.seconds, 1) if self.seconds > 0 else 0.0,
+                "stopped_by_time_budget": self.stopped_by_time_budget, "resumed_from": self.resumed_from}
+
+
+def run_training(module: torch.nn.Module, loss_fn: LossFn, train_ds, collate, *, section: TrainSection,
+                 resume: str, out: Path, fingerprint: dict, place: Placement, progress: bool = True,
+                 processing_class=None, callbacks=(), rebuild: Callable[[], torch.nn.Module] | None = None,
+                 tag: str = "train") -> TrainRun:
+    """One training run of any kind in ``out``: the resume check against ``out/run.json`` (then written with
+    ``fingerprint``), training arguments, :class:`LossTrainer` with the time budget, and the gathered module.
+    Build ``module`` before calling (ZeRO-3: see :func:`training_arguments`); ``rebuild`` makes an empty copy
+    of it for ZeRO-3 gathering (default: ``module`` itself is reused). Every rank calls this."""
+    ckpt, run_file = out / "checkpoints", out / "run.json"
+    ds_cfg = deepspeed_config(section.deepspeed)
+    args = training_arguments(section, ckpt, ds_cfg, place)
+    args.disable_tqdm = not progress
+    resumed = resume_checkpoint(resume, ckpt, fingerprint, run_file)
+    if is_main_process():
+        atomic_write_json(run_file, fingerprint, indent=2, sort_keys=True)
+        if resumed:
+            print(f"[{tag}] resuming from {resumed}", flush=True)
+    budget = TimeBudget(section.max_minutes) if section.max_minutes else None
+    trainer = LossTrainer(model=module, args=args, train_dataset=train_ds, data_collator=collate,
+                          processing_class=processing_class, loss_fn=loss_fn,
+                          callbacks=list(callbacks) + ([budget] if budget else []))
+    if resumed and ds_cfg is None and _finished(trainer, resumed):
+        # HF's loop would run one more step before noticing max_steps: load the checkpoint and train nothing
+        from transformers import TrainerState
+
+        trainer._load_from_checkpoint(resumed)
+        trainer.state = TrainerState.load_from_json(str(Path(resumed) / "trainer_state.json"))
+        losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+        training_loss = losses[-1] if losses else float("nan")
+        if is_main_process():
+            print(f"[{tag}] {resumed} already reached the planned {trainer.state.global_step} steps; exporting it",
+                  flush=True)
+    else:
+        training_loss = trainer.train(resume_from_checkpoint=resumed).training_loss
+    stopped = bool(budget and budget.stopped)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():  # tokens of every process
+        seen = torch.tensor([trainer.tokens_seen], device=trainer.args.device)
+        torch.distributed.all_reduce(seen)
+        trainer.tokens_seen = int(seen.item())
+    if stopped and is_main_process():
+        print(f"[{tag}] time budget train.max_minutes={section.max_minutes} reached at step "
+              f"{trainer.state.global_step}: checkpoint saved, exporting; rerun the same command to continue", flush=True)
+    trained = trained_module(trainer, rebuild or (lambda: module))
+    return TrainRun(trained, trainer, trainer.train_seconds, training_loss, resumed, stopped)
+
+
+def _finished(trainer: LossTrainer, checkpoint: str) -> bool:
+    """Has ``checkpoint`` already trained the steps this run plans (``max_steps``, or the epochs' steps)?"""
+    import math
+
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    args = trainer.args
+    if args.max_steps > 0:
+        total = args.max_steps
+    else:
+        batches = len(trainer.get_train_dataloader())
+        per_epoch = max(batches // args.gradient_accumulation_steps + int(batches % args.gradient_accumulation_steps > 0), 1)
+        total = math.ceil(args.num_train_epochs * per_epoch)
+    return int(state.get("global_step", 0)) >= total
 
 
 # --------------------------------------------------------------------------- resume
