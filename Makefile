@@ -66,3 +66,11 @@ train-drafter: $(STAMP)
 distill: $(STAMP)
 	$(PY) -m toolkit distill --task $(TASK) $(if $(TARGET),target=$(TARGET)) $(if $(N),num_prompts=$(N)) \
 		$(if $(DEVICE),device=$(DEVICE)) $(if $(DTYPE),dtype=$(DTYPE)) $(ARGS)
+
+# A drafter pool end to end (toolkit/pool.py): distill → train the pool's arms → runs/pools/<target>-<budget>/pool.yaml
+# → decode eval on the dev suite → report. Rerun to resume (finished stages are skipped).
+#   make pool [TARGET=smollm2-135m-instruct] [BUDGET=small|medium|large]   (small: ≤ 60 min on a 2-core CPU)
+BUDGET ?= small
+.PHONY: pool
+pool: $(STAMP)
+	$(PY) -m toolkit pool --budget $(BUDGET) $(if $(TARGET),--target $(TARGET))

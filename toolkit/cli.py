@@ -13,6 +13,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, help)
     "distill": ("toolkit.distill", "self-distillation: the target answers task prompts (datasets on disk)"),
     "train": ("toolkit.train.cli", "train a drafter, EAGLE head, early-exit drafter or calibrator (one plumbing; resumable)"),
+    "pool": ("toolkit.pool", "distill → train a pool's arms → pool file → decode eval, resumable "
+             "(budgets: small ≤ 60 min on a CPU, medium, large)"),
     "train-drafter": ("toolkit.train.drafter", "train a task drafter on distilled data (also: deepspeed scripts/train_drafter.py)"),
     "export": ("toolkit.export_formats", "export a trained EAGLE head or drafter for vLLM, SGLang, EAGLE or transformers"),
 }

@@ -1,0 +1,52 @@
+"""`python -m toolkit pool`: the stages run in order, a rerun skips the finished ones, bad input fails fast."""
+import json
+from pathlib import Path
+
+import pytest
+
+from toolkit.cli import main
+from toolkit.pool import BUDGETS, STATE, plan
+
+SUITE = str(Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question_dev.jsonl")
+
+
+def test_tiny_pool_end_to_end_then_every_stage_is_skipped(tiny_target_dir, tmp_path, capsys):
+    out = tmp_path / "pool"
+    argv = ["pool", "--target", tiny_target_dir, "--budget", "tiny", "--out", str(out), "--suite", SUITE]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    names = [n for n, _ in plan(tiny_target_dir, "tiny", out, SUITE)]
+    assert names == ["distill:math", "train:eagle", "pool-file", "eval"]
+    assert all(f"[pool] {n}: run" in err for n in names)
+    assert (out / "heads" / "eagle" / "head.json").exists()
+    assert "eagle:path=" in (out / "pool.yaml").read_text()
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert any(m.startswith("arm:eagle") for m in report["summary"]) and report["summary"]["hf"]
+    assert set(json.loads((out / STATE).read_text())["stages"]) == set(names)
+    assert main(argv) == 0  # a rerun: nothing runs again
+    err = capsys.readouterr().err
+    assert all(f"[pool] {n}: skip (finished)" in err for n in names)
+    # a stage whose command changed (another budget, another target) runs again; the others stay skipped
+    state = json.loads((out / STATE).read_text())
+    state["stages"]["eval"]["command"] = ["an", "older", "command"]
+    (out / STATE).write_text(json.dumps(state))
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "[pool] eval: run" in err and "[pool] train:eagle: skip (finished)" in err
+
+
+def test_bad_input_fails_fast_and_dry_run_only_prints(tmp_path, capsys):
+    assert main(["pool", "--budget", "huge", "--out", str(tmp_path / "p")]) == 2
+    assert "--budget must be one of" in capsys.readouterr().err
+    assert main(["pool", "--suite", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "p")]) == 2
+    assert "--suite" in capsys.readouterr().err
+    assert main(["pool", "--budget", "small", "--dry-run", "--out", str(tmp_path / "p"), "--suite", SUITE]) == 0
+    err = capsys.readouterr().err
+    assert "train.max_minutes=15" in err and "num_prompts=16" in err and not (tmp_path / "p" / STATE).exists()
+
+
+@pytest.mark.parametrize("name", list(BUDGETS))
+def test_every_budget_plans_distill_train_pool_eval(name, tmp_path):
+    stages = [n for n, _ in plan("t", name, tmp_path, SUITE)]
+    assert stages[-2:] == ["pool-file", "eval"] and "train:eagle" in stages
+    assert sum(s.startswith("distill:") for s in stages) == len(BUDGETS[name].tasks)

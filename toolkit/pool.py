@@ -1,0 +1,163 @@
+"""``python -m toolkit pool [--target T] [--budget small|medium|large]`` (``make pool``): build a drafter pool for
+a target end to end — distill → train the pool's arms → write the pool file → ``decode eval`` on the dev
+suite → its report — as one resumable command.
+
+Every stage is one of the commands a user could type (``python -m toolkit distill``, ``python -m toolkit
+train eagle``, ``python -m decode eval``), run as its own process, so a stage's memory is returned before
+the next and its own resume logic applies inside it. ``<out>/pool_state.json`` records each finished
+stage with the exact command it ran; a rerun skips a stage whose command is unchanged (a changed budget
+or target re-runs it, and the stage's command then resumes or refuses as it always does).
+
+Budgets (what a 2-core CPU finishes in the time stated for the default target; larger ones are for GPUs):
+
+* ``small`` (≤ 60 min on a CPU, what a new user runs first): math/code/chat × 16 prompts at the four
+  distillation temperatures; one EAGLE head on all of it with a pruned draft vocabulary, 15 minutes of
+  training; pool = that head + prompt lookup + suffix; eval on every dev category × 1 prompt, 96 tokens.
+* ``medium``: six tasks × 64 prompts; EAGLE (90 min) and an early-exit head (60 min); dev × 2 prompts.
+* ``large``: six tasks × 512 prompts; EAGLE 8 h, early exit 4 h; dev × 5 prompts.
+* ``tiny``: a smoke run (one task, two prompts, two training steps, one eval prompt) for tests and for
+  checking a new target's plumbing in minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from decode.errors import UserError
+from decode.io import atomic_write_json, atomic_write_text
+from decode.models import DEFAULT_TARGET
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEV_SUITE = "../shared/data/spec_bench/question_dev.jsonl"
+STATE = "pool_state.json"
+
+
+@dataclass(frozen=True)
+class Budget:
+    tasks: tuple[str, ...]
+    prompts: int  # distilled prompts per task (× the recipe's temperatures)
+    max_new_tokens: int  # distillation answer length
+    eagle_minutes: float | None
+    eagle_steps: int  # -1 = until the time budget (or an epoch)
+    early_exit_minutes: float | None  # None = no early-exit head in the pool
+    eval_limit: int  # prompts per dev category
+    eval_tokens: int
+    L: int = 3  # draft length of the trained arms
+    epochs: int = 1  # passes over the data when the time budget does not stop training first
+    distill_overrides: tuple[str, ...] = ()
+
+
+BUDGETS: dict[str, Budget] = {
+    # a smoke run keeps every row (a random tiny target's text can trip the degenerate-output filters)
+    "tiny": Budget(("math",), 2, 16, None, 2, None, 1, 8, distill_overrides=("filters.rules=[]",)),
+    "small": Budget(("math", "code", "chat"), 16, 256, 15, -1, None, 1, 96, epochs=8),
+    "medium": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 64, 256, 90, -1, 60, 2, 96,
+                     epochs=8),
+    "large": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 512, 256, 480, -1, 240, 5, 128,
+                    epochs=8),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help="alias, local HF folder or hub id (default: %(default)s)")
+    p.add_argument("--budget", default="small", help=f"one of {', '.join(BUDGETS)} (default: %(default)s)")
+    p.add_argument("--out", help="pool folder (default: runs/pools/<target>-<budget>)")
+    p.add_argument("--suite", default=DEV_SUITE, help="evaluation suite (default: Spec-Bench dev)")
+    p.add_argument("--dry-run", action="store_true", help="print the stages' commands and whether each would run")
+    p.add_argument("--fresh", action="store_true", help="forget the finished stages (their outputs stay; each "
+                                                         "stage's own resume then decides)")
+
+
+def _slug(target: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(target).name if os.sep in target else target).strip("-") or "target"
+
+
+def plan(target: str, budget_name: str, out: Path, suite: str) -> list[tuple[str, list[str]]]:
+    """The stages in order: (name, argv after the python executable)."""
+    b = BUDGETS[budget_name]
+    distill_root = out / "distill"
+    stages: list[tuple[str, list[str]]] = []
+    for task in b.tasks:
+        stages.append((f"distill:{task}", [
+            "-m", "toolkit", "distill", "--task", task, f"target={target}", f"num_prompts={b.prompts}",
+            f"generation.max_new_tokens={b.max_new_tokens}", f"out={distill_root / task}", *b.distill_overrides,
+            "--no-progress"]))
+    task = "all" if len(b.tasks) > 1 else b.tasks[0]
+    common = [f"target={target}", f"data.root={distill_root}", f"train.max_steps={b.eagle_steps}",
+              f"train.epochs={b.epochs}"]
+    eagle = out / "heads" / "eagle"
+    stages.append(("train:eagle", ["-m", "toolkit", "train", "eagle", "--task", task, *common,
+                                   f"out_dir={eagle}", "progress=false",
+                                   *([f"train.max_minutes={b.eagle_minutes}"] if b.eagle_minutes else [])]))
+    arms = [f"eagle:path={eagle},L={b.L}"]
+    if b.early_exit_minutes:
+        ee = out / "heads" / "early_exit"
+        stages.append(("train:early-exit", ["-m", "toolkit", "train", "early-exit", "--task", task, *common,
+                                            f"out_dir={ee}", "progress=false",
+                                            f"train.max_minutes={b.early_exit_minutes}"]))
+        arms.append(f"early_exit:path={ee},L={b.L}")
+    arms += ["pld:L=2", "suffix:L=3"]
+    stages.append(("pool-file", ["pool-file", *arms]))  # written in-process (see run)
+    stages.append(("eval", ["-m", "decode", "eval", "--target", target, "--suite", suite,
+                            "--limit", str(b.eval_limit), "--max-new-tokens", str(b.eval_tokens),
+                            "--pool", str(out / "pool.yaml"), "--arms", "",
+                            "--policies", "ucbspec;router:carry=true;ucbspec:fullinfo=true",
+                            "--out", str(out / "eval" / "report.json"), "--no-progress"]))
+    return stages
+
+
+def write_pool_file(out: Path, target: str, budget: str, arms: list[str]) -> Path:
+    """The pool file ``decode eval --pool`` reads (decode/pools.py): the trained heads are plain arm specs."""
+    text = (f"# Pool built by `python -m toolkit pool --target {target} --budget {budget}`\n"
+            f"target: {target}\ndrafters: []\narms:\n" + "".join(f"  - {a}\n" for a in arms))
+    path = out / "pool.yaml"
+    atomic_write_text(path, text)
+    return path
+
+
+def _load_state(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON ({exc}); delete it or pass --fresh") from None
+
+
+def run(args) -> int:
+    if args.budget not in BUDGETS:
+        raise UserError(f"--budget must be one of {', '.join(BUDGETS)}, got '{args.budget}'")
+    suite = next((p for p in (Path(args.suite), REPO_ROOT / args.suite) if p.is_file()), None)
+    if suite is None:
+        raise UserError(f"--suite {args.suite} does not exist (the dev suite lives in ../shared/data/spec_bench/)")
+    out = Path(args.out or f"runs/pools/{_slug(args.target)}-{args.budget}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / STATE
+    state = {} if args.fresh else _load_state(state_path)
+    stages = plan(args.target, args.budget, out, str(suite.resolve()))
+    state.setdefault("budget", asdict(BUDGETS[args.budget]))
+    done = state.setdefault("stages", {})
+    for name, argv in stages:
+        finished = done.get(name, {}).get("command") == argv
+        print(f"[pool] {name}: {'skip (finished)' if finished else 'run'}"
+              + (f"  $ python {' '.join(argv)}" if args.dry_run and argv[0] == "-m" else ""), file=sys.stderr)
+        if finished or args.dry_run:
+            continue
+        if name == "pool-file":
+            write_pool_file(out, args.target, args.budget, argv[1:])
+        else:
+            rc = subprocess.run([sys.executable, *argv]).returncode
+            if rc != 0:
+                raise UserError(f"stage {name} failed (exit {rc}); fix what it printed and rerun the same command "
+                                f"(finished stages are skipped): python {' '.join(argv)}")
+        done[name] = {"command": argv}
+        atomic_write_json(state_path, state, indent=2)
+    if not args.dry_run:
+        print(f"[pool] done: pool {out / 'pool.yaml'}, report {out / 'eval' / 'report.md'}", file=sys.stderr)
+    return 0
