@@ -9,27 +9,58 @@ import torch
 
 @dataclass
 class Draft:
-    """A proposal for the next tokens.
+    """A proposal for the next tokens: a chain, or a token tree (decode/tree.py).
 
-    tokens: [L] draft token ids (L may be 0 for "no speculation").
+    tokens: [L] draft token ids (L may be 0 for "no speculation"); for a tree, one per node.
     q:      [L, V] draft distributions after the shared logits processing, or None for a
-            deterministic arm (treated as one-hot on ``tokens``).
+            deterministic arm (treated as one-hot on ``tokens``). For a tree, row n is the
+            distribution node n was drawn from given its earlier siblings (one-hot for a
+            deterministic choice), which is what recursive rejection sampling needs to be exact.
     hidden: optional drafter hidden states [L, d] (for calibration predictors).
-    parents: reserved for tree drafts (index of each node's parent, -1 = root); None = a chain.
+    parents: tree drafts: [L] parent index of each node (-1 = child of the last context token;
+            parents[n] < n, so nodes are in topological order; siblings are tried in index order).
+            None = a chain (as is parents = [-1, 0, 1, ...]).
+    chain_ends: K i.i.d. sampled chains (SpecTr's setting) merged into the tree: [K] node where
+            each chain ends, in sampling order (its tokens are the root path to that node). Set, the
+            sampling verifier uses k-Seq instead of recursive rejection sampling; needs ``q``.
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     parents: torch.Tensor | None = None
+    chain_ends: torch.Tensor | None = None
 
     def __post_init__(self):
         self.tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1)
-        if self.q is not None and self.q.shape[0] != self.tokens.numel():
-            raise ValueError(f"draft q has {self.q.shape[0]} rows for {self.tokens.numel()} tokens")
+        n = self.tokens.numel()
+        if self.q is not None and self.q.shape[0] != n:
+            raise ValueError(f"draft q has {self.q.shape[0]} rows for {n} tokens")
+        if self.parents is not None:
+            self.parents = torch.as_tensor(self.parents, dtype=torch.long).reshape(-1).cpu()
+            if self.parents.numel() != n:
+                raise ValueError(f"draft parents has {self.parents.numel()} entries for {n} tokens")
+            bad = (self.parents < -1) | (self.parents >= torch.arange(n))
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                raise ValueError(f"draft parents[{i}] = {int(self.parents[i])}: a node's parent must be -1 "
+                                 f"(the last context token) or an earlier node (0..{i - 1})")
+        if self.chain_ends is not None:
+            self.chain_ends = torch.as_tensor(self.chain_ends, dtype=torch.long).reshape(-1).cpu()
+            if self.q is None:
+                raise ValueError("draft chain_ends (i.i.d. sampled chains) needs the draft distributions q")
+            if self.chain_ends.numel() and not bool(((self.chain_ends >= 0) & (self.chain_ends < n)).all()):
+                raise ValueError(f"draft chain_ends {self.chain_ends.tolist()} must be node indices in [0, {n})")
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
+
+    @property
+    def is_tree(self) -> bool:
+        """True when ``parents`` branches somewhere (a chain given with parents is not a tree)."""
+        if self.parents is None:
+            return False
+        return not torch.equal(self.parents, torch.arange(-1, len(self) - 1))
 
     @staticmethod
     def empty() -> "Draft":
@@ -47,12 +78,21 @@ class Outcome:
     The one verification forward scores every draft position, so accept_prob and tv have L entries,
     also past the first rejection. Consumers that want the positions up to the first rejection slice
     ``[:min(accepted + 1, L)]``.
+    Tree drafts: accept_prob and tv follow the root path the verifier walked (the accepted nodes,
+    then the first child it tested where it stopped, if any), each against the target's distribution
+    at the node's parent; so ``[:accepted + 1]`` still means "up to the first rejection".
+    path:          tree drafts: the accepted node indices, root first (the target keeps only their
+                   KV entries); None for a chain.
+    note:          a one-line remark on how the draft was verified (e.g. the tree fallback from the
+                   fused kernel), "" when there is nothing to say.
     """
 
     accepted: int
     tokens: list[int]
     accept_prob: list[float] = field(default_factory=list)
     tv: list[float] = field(default_factory=list)
+    path: list[int] | None = None
+    note: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -87,7 +127,6 @@ class RoundRecord:
     # the played round's full-information vector, arm -> record (the played arm's is this record), filled
     # in once every scored arm's outcome is known (a round or two later); None when nothing was scored
     feedback: "dict[int, RoundRecord] | None" = None
-
 
     @property
     def y(self) -> int:

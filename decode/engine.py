@@ -91,6 +91,7 @@ class SpecEngine:
         self.verifier = verifier
         self.eos = set(int(e) for e in eos_token_ids)
         self.max_len = max(a.L for a in arms)
+        self.max_nodes = max(getattr(a, "max_nodes", a.L) for a in arms)  # tree arms score more positions than L
         self.step_time = step_time
         self.scorer = CounterfactualScorer(arms, greedy=verifier.cfg.greedy)
 
@@ -148,8 +149,9 @@ class SpecEngine:
         length.reset()
         for arm in self.arms:
             arm.reset(prompt_ids)
-        # the most the target cache will hold: every token but the last, plus one round's L + 1 (sizes a static cache)
-        self.target.prefill(prompt_ids, capacity=len(prompt_ids) + max_new_tokens + self.max_len + 1)
+        # the most the target cache will hold: every token but the last, plus one round's scored positions
+        # (L + 1, or a tree's nodes + 1; sizes a static cache)
+        self.target.prefill(prompt_ids, capacity=len(prompt_ids) + max_new_tokens + self.max_nodes + 1)
         state = DecodeState(prompt_ids, policy, length, max_new_tokens, ctx=list(prompt_ids), start=start,
                             pending=[] if full else None)
         state.setup_time = self._clock() - start
@@ -185,16 +187,21 @@ class SpecEngine:
         draft = a.propose(ctx, min(a.L, remaining - 1), keep_going)
         t1 = self._clock()
         n = len(ctx)
-        scored = self.target.score(ctx[-1], draft.tokens)
+        scored = self.target.score_tree(ctx[-1], draft) if draft.is_tree else self.target.score(ctx[-1], draft.tokens)
         t2 = self._clock()
         outcome = self.verifier.verify(scored.logits, draft)
         t3 = self._clock()
         if counterfactual:
             self.target.rollback(n - 1 if keep is None else keep)
+        elif outcome.path is not None:  # a tree: keep only the accepted root path's entries
+            self.target.keep_path(n, outcome.path)
         else:
             self.target.rollback(n + outcome.accepted)
         t4 = self._clock()
-        hidden = scored.hidden[:outcome.accepted + 1] if scored.hidden is not None else None
+        hidden = None
+        if scored.hidden is not None:
+            hidden = (scored.hidden[:outcome.accepted + 1] if outcome.path is None
+                      else scored.hidden[[0] + [i + 1 for i in outcome.path]])
         times = StepTimes(t0 - t_sel, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
         if live_feedback:
             times.feedback = t_sel - t_start

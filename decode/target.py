@@ -52,7 +52,9 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
+from .draft import Draft
 from .errors import UserError
+from .tree import tree_attention
 
 CACHE_KINDS = ("dynamic", "static")
 CACHE_BUCKET = 256  # static allocations are multiples of this many slots (max_cache_len=None)
@@ -83,6 +85,16 @@ def auto_cache_kind(device, compile: bool = False) -> str:
     the static cache measured 7% slower per round side by side (``bench-round --cache both``, default
     target, 2 threads: its attention spans the whole allocation)."""
     return "static" if compile or torch.device(device).type == "cuda" else "dynamic"
+
+
+def check_tree_support(config) -> None:
+    """Tree drafts pass one 4-D mask to every layer, which is right for full attention only (a
+    sliding-window layer would need its window applied too): refuse other layer types by name."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    other = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]) - {"full_attention"})
+    if other:
+        raise UserError(f"tree drafts need full-attention layers; this model also has {other} layers: use chain "
+                        "drafts (arms without tree=, K= or union) with it")
 
 
 def check_cache_kind(kind: str) -> str:
@@ -185,14 +197,23 @@ class KVCache:
             layer.cumulative_length.fill_(self.length)
 
     # -- the pointer --------------------------------------------------------------------------------
-    def positions(self, n: int) -> torch.Tensor:
-        """Position ids [1, n] for the next forward of ``n`` tokens (grows a static cache if needed)."""
+    def reserve(self, n: int) -> None:
+        """Make room for a forward of ``n`` more tokens (grows a static cache if needed)."""
         if self.kind == "static" and self.length + n > self.capacity:
             if self.hf is None:
                 self.start(minimum=n)
             else:
                 self._grow(self.length + n)
+
+    def positions(self, n: int) -> torch.Tensor:
+        """Position ids [1, n] for the next forward of ``n`` tokens (grows a static cache if needed)."""
+        self.reserve(n)
         return torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
+
+    def key_length(self, n: int) -> int:
+        """How many key slots a forward of ``n`` new tokens attends over (the width of a custom 4-D
+        attention mask): cached + new for a dynamic cache, the whole allocation for a static one."""
+        return self.capacity if self.kind == "static" else self.length + n
 
     def advance(self, n: int) -> None:
         self.length += n
@@ -206,6 +227,33 @@ class KVCache:
         if self.kind == "dynamic":
             crop_cache(self.hf, keep)
         self.length = keep
+        if self.kind == "static":
+            self._sync()
+
+    def compact(self, keep: int, slots: list[int]) -> None:
+        """Keep the first ``keep`` entries followed by the entries at ``slots`` (increasing slot indices
+        ≥ keep, e.g. the accepted path of a scored tree), moved into consecutive slots.
+
+        Dynamic cache: one ``index_select`` over the sequence dim per layer. Static cache: the entries
+        are copied down into slots keep.. and the pointer moves (the tensors keep their addresses)."""
+        slots = [int(s) for s in slots]
+        if any(b <= a for a, b in zip(slots, slots[1:])) or (slots and (slots[0] < keep or slots[-1] >= self.length)):
+            raise ValueError(f"compact: slots {slots} must increase within [{keep}, {self.length})")
+        if slots == list(range(keep, keep + len(slots))):  # already in place (a chain): just crop
+            self.crop(keep + len(slots))
+            return
+        src = torch.tensor(slots, dtype=torch.long, device=self.device)
+        if self.kind == "dynamic":
+            idx = torch.cat([torch.arange(keep, device=self.device), src])
+            for layer in self.hf.layers:
+                layer.keys = layer.keys.index_select(-2, idx)
+                layer.values = layer.values.index_select(-2, idx)
+        else:
+            dst = torch.arange(keep, keep + len(slots), device=self.device)
+            for layer in self.hf.layers:
+                layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
+                layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+        self.length = keep + len(slots)
         if self.kind == "static":
             self._sync()
 
@@ -283,6 +331,38 @@ class Target:
         self.forwards += 1
         hidden = out.hidden_states[-1][0] if self.want_hidden else None
         return ScoreResult(out.logits[0].float(), hidden)
+
+    def score_tree(self, last_token: int, draft: Draft) -> ScoreResult:
+        """One verification forward over ``[last_token]`` + every node of a tree draft.
+
+        Row 0 of the logits/hidden states is at the last token, row n + 1 at node n: the target's
+        distribution after the context and the root path to node n. The tree goes through the HF model's
+        own inputs: per-node ``position_ids`` (context length + depth) and a 4-D additive
+        ``attention_mask`` in which every node sees the cached context, the last token, its ancestors and
+        itself (decode/tree.py ``tree_attention``). Runs eagerly (also with ``compile=True``: the compiled
+        graph is the chain's, without a mask). Afterwards the cache holds all N + 1 entries; keep the
+        accepted path with :meth:`keep_path`. A chain (``parents`` None) works too.
+        """
+        check_tree_support(self.model.config)
+        parents = draft.parents if draft.parents is not None else torch.arange(-1, len(draft) - 1)
+        parents = torch.cat([torch.tensor([-1]), parents + 1])  # the last token is the tree's root
+        ids = torch.cat([torch.tensor([last_token]), draft.tokens.to(torch.long).cpu()])
+        n = ids.numel()
+        self.kv.reserve(n)
+        pos, mask = tree_attention(parents, self.kv.length, self.kv.key_length(n), self.dtype, self.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids.to(self.device).unsqueeze(0), position_ids=pos, attention_mask=mask,
+                             past_key_values=self.kv.hf, use_cache=True, output_hidden_states=self.want_hidden)
+        self.kv.advance(n)
+        self.forwards += 1
+        hidden = out.hidden_states[-1][0] if self.want_hidden else None
+        return ScoreResult(out.logits[0].float(), hidden)
+
+    def keep_path(self, keep: int, path: list[int]) -> None:
+        """After :meth:`score_tree` from ``keep`` - 1 cached tokens: keep the context (``keep`` entries,
+        the last token's included) and the accepted nodes ``path`` (root first), compacted into
+        consecutive slots; the rejected branches' entries are dropped."""
+        self.kv.compact(keep, [keep + int(i) for i in path])
 
     def rollback(self, keep: int) -> None:
         """Keep the first ``keep`` cached tokens (the accepted prefix)."""

@@ -9,6 +9,7 @@ from ..draft import Draft, Outcome
 from ..errors import UserError
 from ..sampling import SamplingConfig
 from .reference import VerifyResult, raise_for_status, verify_reference
+from .tree import verify_tree
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -59,8 +60,21 @@ class Verifier:
         return self._fn(target_logits.device)(target_logits, draft_tokens, draft_probs, self.cfg, uniforms,
                                               check=check)
 
+    @property
+    def tree_note(self) -> str:
+        """One line on how tree drafts are verified with this backend (for reports)."""
+        fused = self.backend == "triton" or (self.backend == "auto" and torch.cuda.is_available()
+                                              and _fused_available(torch.device("cuda")))
+        return ("tree drafts: PyTorch reference verifier (the fused Triton kernel verifies chains only)" if fused
+                else "tree drafts: PyTorch reference verifier")
+
     def verify(self, target_logits: torch.Tensor, draft: Draft) -> Outcome:
-        """One sequence: target_logits [L+1, V] at [last token] + draft.
+        """One sequence: target_logits [L+1, V] at [last token] + draft (for a tree: at [last token] +
+        every node, from ``Target.score_tree``).
+
+        Trees, and sampled i.i.d. chains (``draft.chain_ends``, k-Seq, even when they all coincide),
+        go to the PyTorch reference in decode/verify/tree.py whatever the backend; the Outcome's
+        ``path`` and ``note`` say so. Chains take the path below.
 
         ``tv`` and ``accept_prob`` cover all L drafted positions (the target scored them all); the
         positions the acceptance test reached are the first min(accepted + 1, L).
@@ -70,6 +84,10 @@ class Verifier:
         device (float64 holds every token id exactly); nothing of size V leaves the device. Input
         errors are raised from that same read.
         """
+        if draft.is_tree or (draft.chain_ends is not None and not self.cfg.greedy):
+            out = verify_tree(target_logits, draft, self.cfg, self.generator)
+            out.note = self.tree_note
+            return out
         dev = target_logits.device
         tokens = draft.tokens.to(dev)
         res = self.verify_batch(target_logits.unsqueeze(0), tokens.unsqueeze(0),
@@ -86,4 +104,4 @@ class Verifier:
         return Outcome(a, ids + [nxt], flat[3:3 + L], flat[3 + L:3 + 2 * L])
 
 
-__all__ = ["Verifier", "VerifyResult", "verify_reference", "BACKENDS"]
+__all__ = ["Verifier", "VerifyResult", "verify_reference", "verify_tree", "BACKENDS"]
