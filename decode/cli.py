@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("decode.simulate", "stopping-time regret of policies on synthetic or replayed bandit instances"),
     "bench-round": ("decode.bench_round", "break a round into draft, target forward, verify, rollback and "
                     "bookkeeping time per arm"),
+    "bench-tree": ("decode.bench_tree", "time one verification forward against its number of positions: chains "
+                   "and token trees of 1…64 nodes, as a multiple of a one-token step"),
     "generate": ("decode.generate", "decode one prompt (or an interactive loop), streaming tokens as they are accepted"),
     "compare": ("decode.compare", "per-method differences between two evaluation reports"),
 }
