@@ -181,7 +181,7 @@ def test_eagle_tree_holds_the_chain_arms_draft_and_respects_its_budget(kind):
     assert tree.cache.length == len(ctx) - 1 and d.q is None
     assert len(small.propose(ctx, 4)) == 7
     with pytest.raises(UserError, match="nodes must be"):
-        build_arm("eagle_tree:path=x,nodes=0", _env(model))
+        build_arm("eagle:path=x,tree=dynamic,nodes=0", _env(model))
 
 
 @pytest.mark.slow
@@ -218,3 +218,20 @@ def test_eagle_k_chains_follow_the_head(kind):
     sampled.reset(ctx)
     d = sampled.propose(ctx, 3)
     assert len(d.chain_ends) == 3 and len(leaf_chains(d)) == 3 and sampled.cache.length == len(ctx) - 1
+
+
+def test_eagle_spec_builds_chains_k_chains_or_the_dynamic_tree(tmp_path):
+    from decode.heads import save_head
+    model = tiny_llama(layers=2, seed=4)
+    save_head(_eagle_head(model), tmp_path / "head")
+    env = _env(model)
+    path = tmp_path / "head"
+    assert type(build_arm(f"eagle:path={path},L=3", env)) is EagleArm
+    chains = build_arm(f"eagle:path={path},L=3,K=3", env)
+    assert isinstance(chains, EagleChainsArm) and chains.K == 3
+    tree = build_arm(f"eagle:path={path},L=3,tree=dynamic,nodes=9,topk=2", env)
+    assert isinstance(tree, EagleTreeArm) and (tree.nodes, tree.topk) == (9, 2)
+    with pytest.raises(UserError, match="pick one"):
+        build_arm(f"eagle:path={path},K=2,tree=dynamic", env)
+    with pytest.raises(UserError, match="tree must be chain"):
+        build_arm(f"eagle:path={path},tree=bushy", env)

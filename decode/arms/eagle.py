@@ -109,12 +109,9 @@ class EagleArm(Arm):
         self.cache.advance(len(next_tokens))
         return pred[0, -1]
 
-    @torch.inference_mode()
-    def propose(self, context, max_len, keep_going=None) -> Draft:
-        L = min(self.L, max_len)
-        self.draft_hidden = []
-        if L <= 0 or len(context) < 2:
-            return Draft.empty()
+    def _true_step(self, context: list[int]) -> torch.Tensor:
+        """Bring the head cache's true entries (those built from the target's own features) up to the
+        context and return the predicted feature after it: the first step of every draft, chain or tree."""
         self._fill_missing(context)
         m = len(context)
         # entries must sit on the committed text; a different history (new query) rebuilds them
@@ -124,6 +121,15 @@ class EagleArm(Arm):
         f = self._step(self.feats[self.entries:m - 1], context[self.entries + 1:m])
         self.entries = m - 1
         self.tokens = list(context)
+        return f
+
+    @torch.inference_mode()
+    def propose(self, context, max_len, keep_going=None) -> Draft:
+        L = min(self.L, max_len)
+        self.draft_hidden = []
+        if L <= 0 or len(context) < 2:
+            return Draft.empty()
+        f = self._true_step(context)
         tokens, dists = [], []
         for i in range(L):
             if i > 0:
@@ -146,10 +152,27 @@ class EagleArm(Arm):
         return self.target_hidden, self.draft_hidden[i - 1]
 
 
+TREES = ("chain", "dynamic")
+
+
 @register("eagle")
-def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None):
+def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None,
+          K: Annotated[int, Range(1)] = 1, tree: str = "chain", nodes: Annotated[int, Range(1)] = 16,
+          topk: Annotated[int, Range(1)] = 4):
+    """``eagle:path=HEAD,L=4`` a chain; ``K=k``: k i.i.d. sampled chains verified together (SpecTr k-Seq);
+    ``tree=dynamic,nodes=N,topk=k``: EAGLE-2's dynamic tree (decode/arms/eagle_tree.py)."""
+    if tree not in TREES:
+        raise UserError(f"eagle: tree must be chain (default; K=k for k sampled chains) or dynamic (EAGLE-2, "
+                        f"with nodes=N,topk=k), got '{tree}'")
+    if tree == "dynamic" and K > 1:
+        raise UserError("eagle: K=k (sampled chains) and tree=dynamic (EAGLE-2) are two tree shapes; pick one")
     head = load_head(path, env.target_model, expect="eagle")
     if env.target is not None:
         env.target.want_hidden = True
-    return EagleArm(head, env.target_model, env.sampling, L, env.generator, label=name, target=env.target,
-                    cache=env.cache)
+    kw = dict(generator=env.generator, label=name, target=env.target, cache=env.cache)
+    if tree == "dynamic" or K > 1:
+        from .eagle_tree import EagleChainsArm, EagleTreeArm
+        if tree == "dynamic":
+            return EagleTreeArm(head, env.target_model, env.sampling, L, nodes, topk, **kw)
+        return EagleChainsArm(head, env.target_model, env.sampling, L, K, **kw)
+    return EagleArm(head, env.target_model, env.sampling, L, **kw)

@@ -1,6 +1,6 @@
 """Tree drafts from an EAGLE head (ALGORITHMS.md §7): EAGLE-2 dynamic trees, and K i.i.d. sampled
-chains (SpecTr's setting). Spec: ``eagle_tree:path=HEAD,tree=dynamic,L=4,nodes=16,topk=4`` or
-``eagle_tree:path=HEAD,tree=chains,L=4,K=4``.
+chains (SpecTr's setting). Specs (built by the ``eagle`` arm's factory, decode/arms/eagle.py):
+``eagle:path=HEAD,tree=dynamic,L=4,nodes=16,topk=4`` or ``eagle:path=HEAD,L=4,K=4``.
 
 Dynamic tree (EAGLE-2): the tree grows layer by layer; a node's value is the product of the head's
 confidences along its path; at each depth the ``topk`` most valuable nodes of the newest layer are
@@ -18,43 +18,25 @@ budget are the knobs. K chains: decode/tree.py ``sample_chains``, one head forwa
 """
 from __future__ import annotations
 
-from typing import Annotated
 
 import torch
 
 from ..draft import Draft
-from ..errors import UserError
-from ..heads import load_head
 from ..sampling import probs
-from ..specs import Range
 from ..target import check_tree_support
 from ..tree import sample_chains, tree_attention
-from .base import ArmEnv, register
 from .eagle import EagleArm
 
 
 class _EagleTreeBase(EagleArm):
-    """What both tree sources add to the chain arm: its first step, and head forwards over tree nodes."""
+    """What both tree sources add to the chain arm: head forwards over tree nodes (the first, true step is
+    the chain arm's ``_true_step``)."""
 
     name = "eagle_tree"
 
     def __init__(self, head, target_model, sampling, L: int = 4, **kw):
         super().__init__(head, target_model, sampling, L, **kw)
         check_tree_support(self.head.model.config)
-
-    def _true_step(self, context: list[int]) -> torch.Tensor:
-        """The chain arm's first drafting step: bring the head cache's true entries up to the context and
-        return the predicted feature after it. (Mirrors the start of ``EagleArm.propose``; it belongs
-        there as a shared method once that file can change.)"""
-        self._fill_missing(context)
-        m = len(context)
-        if self.tokens[:self.entries + 1] != context[:self.entries + 1]:
-            self.entries = 0
-        self.cache.crop(self.entries)
-        f = self._step(self.feats[self.entries:m - 1], context[self.entries + 1:m])
-        self.entries = m - 1
-        self.tokens = list(context)
-        return f
 
     def _step_tree(self, feats: torch.Tensor, tokens: list[int], parents: list[int], prefix: int) -> torch.Tensor:
         """Feed the last len(tokens) nodes of the fed tree ``parents`` on top of ``prefix`` true entries."""
@@ -172,19 +154,3 @@ class EagleChainsArm(_EagleTreeBase):
                               keep_going)
         self.cache.crop(self.entries)  # drop the tree's entries (built from predicted features)
         return draft
-
-
-@register("eagle_tree")
-def _make(env: ArmEnv, path: str, tree: str = "dynamic", L: Annotated[int, Range(1)] = 4,
-          nodes: Annotated[int, Range(1)] = 16, topk: Annotated[int, Range(1)] = 4, K: Annotated[int, Range(1)] = 4,
-          name: str | None = None):
-    """tree=dynamic: EAGLE-2 (nodes, topk); tree=chains: K sampled chains for k-Seq (K)."""
-    if tree not in ("dynamic", "chains"):
-        raise UserError(f"eagle_tree: tree must be dynamic (EAGLE-2) or chains (K sampled chains), got '{tree}'")
-    head = load_head(path, env.target_model, expect="eagle")
-    if env.target is not None:
-        env.target.want_hidden = True
-    kw = dict(generator=env.generator, label=name, target=env.target, cache=env.cache)
-    if tree == "chains":
-        return EagleChainsArm(head, env.target_model, env.sampling, L, K, **kw)
-    return EagleTreeArm(head, env.target_model, env.sampling, L, nodes, topk, **kw)
