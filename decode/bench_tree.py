@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .device import DTYPES, dtype_name, resolve_device, resolve_dtype
+from .device import DTYPES, dtype_name, resolve_device, resolve_dtype, synchronize
 from .draft import Draft
 from .errors import UserError
 from .eval_config import CACHES, resolve_cache
@@ -26,6 +26,7 @@ from .io import atomic_write_json, atomic_write_text
 from .models import DEFAULT_TARGET, load_model
 from .suites import BUILTIN, encode_prompt
 from .target import Target
+from .tree import depths
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -55,7 +56,6 @@ def random_tree(n: int, gen: torch.Generator, max_depth: int = 8) -> torch.Tenso
 
 
 def _time(fn, device) -> float:
-    from .device import synchronize
     synchronize(device)
     t0 = time.perf_counter()
     fn()
@@ -95,13 +95,8 @@ def measure(target: Target, prompt_ids: list[int], sizes: list[int], repeats: in
         med = {k: statistics.median(v) for k, v in times.items()}
         rows[n] = {"step_ms": 1000 * med["step"], "chain_ms": 1000 * med["chain"], "tree_ms": 1000 * med["tree"],
                    "chain_x_step": med["chain"] / med["step"], "tree_x_step": med["tree"] / med["step"],
-                   "depth": int(max(1, _max_depth(tree.parents)))}
+                   "depth": int(depths(tree.parents).max())}
     return rows
-
-
-def _max_depth(parents: torch.Tensor) -> int:
-    from .tree import depths
-    return int(depths(parents).max()) if parents.numel() else 0
 
 
 def markdown_table(rows: dict) -> str:

@@ -178,14 +178,15 @@ def run_policy(policy, inst) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 obs[j] += 1
             if getattr(policy, "lookahead", False):
                 policy.see_outcomes(recs)
+            features = {j: (r.drafted, 0) for j, r in recs.items()}  # a trace records no match lengths
             if hasattr(policy, "see"):
-                policy.see({j: (r.drafted, 0) for j, r in recs.items()})
+                policy.see(features)
             i = policy.select()
             rec = recs[i]
             for j, r in recs.items():
                 r.counterfactual = j != i
             policy.update(i, rec)
-            policy.update_full(i, recs, {j: (r.drafted, 0) for j, r in recs.items()})
+            policy.update_full(i, recs, features)
         else:
             i = policy.select()
             rec = inst.step(i, pos, obs[i], n_max - pos)

@@ -123,13 +123,20 @@ class EagleArm(Arm):
         self.tokens = list(context)
         return f
 
-    @torch.inference_mode()
-    def propose(self, context, max_len, keep_going=None) -> Draft:
+    def _start(self, context: list[int], max_len: int) -> tuple[int, torch.Tensor | None]:
+        """(draft length, predicted feature after the context); the feature is None when nothing can be
+        drafted. Every draft, chain or tree, starts here."""
         L = min(self.L, max_len)
         self.draft_hidden = []
         if L <= 0 or len(context) < 2:
+            return L, None
+        return L, self._true_step(context)
+
+    @torch.inference_mode()
+    def propose(self, context, max_len, keep_going=None) -> Draft:
+        L, f = self._start(context, max_len)
+        if f is None:
             return Draft.empty()
-        f = self._true_step(context)
         tokens, dists = [], []
         for i in range(L):
             if i > 0:

@@ -72,11 +72,9 @@ class EagleTreeArm(_EagleTreeBase):
 
     @torch.inference_mode()
     def propose(self, context, max_len, keep_going=None) -> Draft:
-        L = min(self.L, max_len)
-        self.draft_hidden = []
-        if L <= 0 or len(context) < 2:
+        L, f = self._start(context, max_len)  # predicted feature after the context (the chain arm's first step)
+        if f is None:
             return Draft.empty()
-        f = self._true_step(context)  # predicted feature after the context (as the chain arm's first step)
         prefix = self.cache.length
         tok, par, val, dep = [], [], [], []  # every node made: token, parent, value, depth
         fed: list[int] = []  # nodes fed to the head, in feed order; their parents among fed nodes:
@@ -136,11 +134,9 @@ class EagleChainsArm(_EagleTreeBase):
 
     @torch.inference_mode()
     def propose(self, context, max_len, keep_going=None) -> Draft:
-        L = min(self.L, max_len)
-        self.draft_hidden = []
-        if L <= 0 or len(context) < 2:
+        L, root = self._start(context, max_len)
+        if root is None:
             return Draft.empty()
-        root = self._true_step(context)
         prefix = self.cache.length
         out_feat: list[torch.Tensor] = []  # fed node -> the head's predicted feature after it
 
