@@ -245,7 +245,7 @@ def test_interrupted_run_resumes_exactly_and_exports_for_decode(tmp_path, tiny_t
     ev = json.loads((export / "eval.json").read_text())
     assert ev["positions"] > 0 and 0 <= ev["agreement"] <= 1 and 0 < ev["acceptance"] <= 1
     env = ArmEnv(target, ttok, SamplingConfig())
-    arm = build_arm(f"drafter:path={export},L=3,name=math", env)
+    arm = build_arm(f"drafter:path={export},L=3,name=math,vocab=none", env)
     assert isinstance(arm, DrafterModelArm) and arm.label == "math"
     context = [1, 5, 9, 13, 17]
     draft = arm.propose(context, 3)

@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pool": ("toolkit.pool", "distill → train a pool's arms → pool file → decode eval, resumable "
              "(budgets: small ≤ 60 min on a CPU, medium, large)"),
     "train-drafter": ("toolkit.train.drafter", "train a task drafter on distilled data (also: deepspeed scripts/train_drafter.py)"),
+    "diagonal": ("toolkit.diagonal", "MetaSD's diagonal: every drafter on every task's held-out distilled split; "
+                 "does each task drafter beat the generalist?"),
     "export": ("toolkit.export_formats", "export a trained EAGLE head or drafter for vLLM, SGLang, EAGLE or transformers"),
 }
 

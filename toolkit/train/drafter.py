@@ -7,6 +7,17 @@ with LoRA — and the loss: SFT on the target's responses, optionally mixed with
 frozen target (forward KL or TRL's generalised JSD). Two-stage training is two runs: ``--task all``
 (every distilled task) then ``--task <t>`` with ``model.source=pretrained`` pointing at the first
 export. The run ends with an export folder and its held-out agreement/acceptance.
+
+Draft vocabulary (``draft_vocab``, FR-Spec; decode/vocab.py): after training, the most frequent tokens
+of the target's own responses in the training split plus the special tokens — by default the fewest
+that cover 95% of them, as for the EAGLE and early-exit heads — are saved in the export as
+``draft_vocab.safetensors``; the ``drafter`` arm drafts from them (``vocab=auto``). On a MetaSD-shaped
+drafter the [V, d] LM head costs more than its decoder layers, so this is where a drafted token's cost
+goes down. Training stays over the full vocabulary: the pruned drafter's distribution is the trained
+one renormalised over the subset, the subset can be re-chosen (``draft_vocab.*`` overrides, same
+checkpoints) without retraining, and a two-stage run fine-tunes a full model. ``draft_vocab: null``
+exports a full-vocabulary drafter. The held-out evaluation measures the drafter as the arm runs it and,
+beside it, with the full vocabulary (``full_vocab``), so the report shows what the subset costs.
 """
 from __future__ import annotations
 
@@ -23,7 +34,7 @@ from decode.errors import UserError
 from decode.io import atomic_write_json
 from decode.models import DEFAULT_TARGET, check_vocab_compatible, load_model
 
-from ..config import to_dict
+from ..config import DraftVocabSection, to_dict
 from .data import DataSection, collator, load_examples, split_heldout, tokenize_sft
 from .runtime import (Placement, TrainSection, deepspeed_config, is_main_process, placement, run_training,
                       train_fingerprint)
@@ -112,6 +123,7 @@ class DrafterRecipe:
     train: TrainSection = field(default_factory=TrainSection)
     kd: KDSection = field(default_factory=KDSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    draft_vocab: DraftVocabSection | None = field(default_factory=DraftVocabSection)  # null = full vocabulary
 
 
 # --------------------------------------------------------------------------- models
@@ -266,7 +278,6 @@ def train_drafter(recipe: DrafterRecipe, task: str, *, recipe_file: str | None =
     from transformers import set_seed
 
     from ..export import export_model, write_eval
-    from .metrics import heldout_agreement
 
     if not task or "/" in task:
         raise UserError(f"--task must be a task name (e.g. math, code, chat) or 'all', got {task!r}")
@@ -306,16 +317,20 @@ def train_drafter(recipe: DrafterRecipe, task: str, *, recipe_file: str | None =
     module = run.module
     export = out / "export"
     if module is not None:
+        from .heads import build_draft_vocab
+
         module = module.to("cpu").eval()
+        vocab = build_draft_vocab(recipe.draft_vocab, train_ds, ttok, target)  # the target's own output tokens
         summary = {**run.summary(), "examples": len(train_ds), "trainable_parameters": trainable}
         recipe_dict = {**to_dict(recipe), "file": recipe_file}
         export_model(module, ttok, export, target=recipe.target, target_tokenizer=ttok, task=task,
-                     recipe=recipe_dict, extra={"training": summary})
+                     recipe=recipe_dict, extra={"training": summary,
+                                                "draft_vocab": None if vocab is None else vocab.info})
+        if vocab is not None:
+            vocab.save(export)
         atomic_write_json(out / "train_summary.json", summary, indent=2, sort_keys=True)
         if recipe.eval.enabled and held_ds is not None and len(held_ds):
-            drafter, _ = load_model(str(export), device=place.device)  # what the decode arm will load
-            with place.autocast():
-                metrics = heldout_agreement(drafter, target.to(place.device).eval(), held_ds, L=recipe.eval.L)
+            metrics = _heldout_eval(export, vocab, target.to(place.device).eval(), held_ds, place, recipe.eval.L)
             write_eval(export, metrics)
             print(f"[train-drafter] held-out: agreement={metrics['agreement']:.3f} acceptance(1-TV)="
                   f"{metrics['acceptance']:.3f} over {metrics['positions']} positions; export → {export}", flush=True)
@@ -323,6 +338,23 @@ def train_drafter(recipe: DrafterRecipe, task: str, *, recipe_file: str | None =
             print(f"[train-drafter] export → {export} (no held-out evaluation)", flush=True)
     run.trainer.accelerator.wait_for_everyone()
     return export
+
+
+def _heldout_eval(export: Path, vocab, target, held_ds, place: Placement, L: int) -> dict:
+    """Held-out agreement/acceptance of the export as the decode arm loads it (its draft vocabulary
+    included), plus the full-vocabulary figures and the vocabulary's size/coverage when it has one."""
+    from decode.arms.model import DraftVocabLM
+
+    from .metrics import heldout_agreement
+
+    drafter, _ = load_model(str(export), device=place.device)  # what the decode arm will load
+    with place.autocast():
+        if vocab is None:
+            return {**heldout_agreement(drafter, target, held_ds, L=L), "draft_vocab": None}
+        metrics = heldout_agreement(DraftVocabLM(drafter, vocab), target, held_ds, L=L)
+        full = heldout_agreement(drafter, target, held_ds, L=L)
+    keep = ("agreement", "acceptance", "label_accuracy", "drafter_nll", "expected_mat_greedy", "expected_mat_sampled")
+    return {**metrics, "draft_vocab": vocab.info, "full_vocab": {k: full[k] for k in keep}}
 
 
 def train(recipe: DrafterRecipe, task: str, recipe_file: str | None = None) -> Path:
