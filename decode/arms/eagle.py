@@ -11,6 +11,11 @@ that crop moves a pointer.
 Per draft with m committed tokens: feed the missing true entries up to j = m-2 in one forward
 (its last output predicts f_{m-1} → draft token 1), then one head step per further token.
 
+EAGLE-3 heads (``EagleHead.fused``): the arm asks the Target for the head's layers (``Target.request_hidden``;
+other arms' layers may sit beside them in the rows it is given, it keeps its own columns), stores those raw
+rows, and builds true entries from g = ``head.input_features(rows)``; draft steps feed the head's own output h
+back, exactly as the EAGLE-1 path feeds its predicted feature (the head's ``logits`` applies its norm).
+
 A head saved with a draft vocabulary (decode/vocab.py) drafts only its tokens: logits from the [N, d]
 rows of the target's LM head cached on the head at load, mapped back to target ids before sampling.
 """
@@ -24,7 +29,7 @@ from ..draft import Draft
 from ..errors import UserError
 from ..heads import EagleHead, load_head
 from ..sampling import SamplingConfig, choose_token
-from ..target import KVCache
+from ..target import KVCache, layer_features
 from ..specs import Range
 from .base import Arm, ArmEnv, register
 
@@ -39,7 +44,8 @@ class EagleArm(Arm):
         super().__init__(L)
         self.head = head.eval()
         self.target_model = target_model
-        self.target = target
+        self.layers = head.target_layers
+        self.target = target  # requests the head's layers from it (the ``target`` setter)
         self.sampling = sampling
         self.generator = generator
         self._label = label
@@ -49,13 +55,24 @@ class EagleArm(Arm):
         self.reset([])
 
     @property
+    def target(self):
+        return self._target
+
+    @target.setter
+    def target(self, target) -> None:
+        """Linking a Target (here or later) asks it for the head's layers; ``columns`` = where they sit in its
+        hidden rows. Without a Target, whoever calls ``observe`` passes exactly the head's layers."""
+        self._target = target
+        self.columns = target.request_hidden(self.layers) if target is not None else slice(None)
+
+    @property
     def label(self) -> str:
         return self._label or f"eagle@{self.L}"
 
     def reset(self, prompt_ids):
         self.cache.start(minimum=len(prompt_ids))
         self.entries = 0  # head-cache entries built from true features (positions 0..entries-1)
-        self.feats = None  # [P, d] true target features for positions 0..P-1
+        self.feats = None  # [P, d·len(layers)] true target rows for positions 0..P-1
         self.tokens: list[int] = []  # committed tokens the features belong to
         self.prev_len = self.prompt_len = len(prompt_ids)
         self.draft_hidden: list[torch.Tensor] = []
@@ -74,7 +91,7 @@ class EagleArm(Arm):
         """The prompt's features come free with the engine's prefill (Target.prefill_hidden)."""
         pf = getattr(self.target, "prefill_hidden", None) if self.target is not None else None
         if self.feats is None and pf is not None and pf.shape[0] == self.prompt_len - 1:
-            self._append_feats(0, pf)
+            self._append_feats(0, pf[:, self.columns])
 
     @torch.inference_mode()
     def _fill_missing(self, context: list[int]) -> None:
@@ -86,7 +103,7 @@ class EagleArm(Arm):
             x = torch.tensor([context[:need]], device=self.device)
             out = self.target_model(input_ids=x, output_hidden_states=True)
             self.target_forwards += 1
-            self.feats = out.hidden_states[-1][0].float()
+            self.feats = layer_features(out.hidden_states, self.layers)[0].float()
 
     def observe(self, context, hidden=None):
         if hidden is None:
@@ -96,9 +113,18 @@ class EagleArm(Arm):
         n = self.prev_len
         keep = max(0, min(len(hidden), len(context) - n + 1))
         if keep:
-            self._append_feats(n - 1, hidden[:keep])
-            self.target_hidden = hidden[keep - 1].float()
+            self._append_feats(n - 1, hidden[:keep, self.columns])
+            # Cali-TS's H_t^(T) is the post-norm final state: a linked Target's rows always start with it
+            final = self._final_columns()
+            self.target_hidden = None if final is None else hidden[keep - 1, final].float()
         self.prev_len = len(context)
+
+    def _final_columns(self) -> slice | None:
+        """Where the post-norm final state sits in the rows ``observe`` gets (None: they do not hold it, a fused
+        head's rows without a linked Target)."""
+        if self.target is not None:
+            return slice(0, self.target.hidden_size)
+        return None if self.head.fused else slice(None)
 
     # -- drafting -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -118,7 +144,7 @@ class EagleArm(Arm):
         if self.tokens[:self.entries + 1] != context[:self.entries + 1]:
             self.entries = 0
         self.cache.crop(self.entries)
-        f = self._step(self.feats[self.entries:m - 1], context[self.entries + 1:m])
+        f = self._step(self.head.input_features(self.feats[self.entries:m - 1]), context[self.entries + 1:m])
         self.entries = m - 1
         self.tokens = list(context)
         return f
@@ -152,8 +178,14 @@ class EagleArm(Arm):
         return Draft(torch.tensor(tokens), q=torch.stack(dists), hidden=torch.stack(self.draft_hidden))
 
     def calibration_features(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.target_hidden is None:
-            self.target_hidden = self.feats[-1] if self.feats is not None else None
+        """(H_t^(T) = the target's post-norm final state at the last verified position, the drafter's state
+        behind draft token i) for a Cali-TS predictor; fused heads give their recurrent state h."""
+        if self.target_hidden is None:  # first round: the prompt's last row
+            pf = getattr(self.target, "prefill_hidden", None) if self.target is not None else None
+            if pf is not None:
+                self.target_hidden = pf[-1, self._final_columns()].float()
+            elif not self.head.fused and self.feats is not None:  # EAGLE-1's features are that final state
+                self.target_hidden = self.feats[-1]
         if self.target_hidden is None:
             raise UserError("Cali-TS needs the target's hidden states (Target(want_hidden=True))")
         return self.target_hidden, self.draft_hidden[i - 1]

@@ -15,6 +15,8 @@ Everything else (true features, the head cache holding only true entries) is the
 (decode/arms/eagle.py); the tree's head-cache entries are cropped after drafting like the chain's.
 Length controllers do not apply to the dynamic tree (``keep_going`` is ignored): depth L and the node
 budget are the knobs. K chains: decode/tree.py ``sample_chains``, one head forward per depth.
+EAGLE-3 (fused) heads need nothing else: tree nodes feed the head's recurrent output back exactly as they feed
+an EAGLE-1 head's predicted feature (tests/test_eagle3.py).
 """
 from __future__ import annotations
 

@@ -19,8 +19,28 @@ RMSNorm, and vLLM's EAGLE-1 drafter builds ``fc`` without a bias. ``input_norm=F
 norm replaced by an identity, so no ``input_layernorm.weight``) and ``fc_bias=False`` give a head that
 `python -m toolkit export --format speculators|eagle` writes as one layer (no pass-through layer) and vLLM
 loads; the defaults (True/True) keep the original head.
+
+EAGLE-3 option (ALGORITHMS.md §9), ``feature_layers=(low, mid, high)``: ids into HF ``hidden_states`` (0 =
+embeddings, i = output of layer i; :func:`eagle3_layers` gives EAGLE-3's choice). The head's input feature is
+g_j = fuse(cat[h_low_j, h_mid_j, h_high_j]) with ``fuse`` = Linear(3d→d, no bias), and the head no longer
+predicts a target feature: its decoder layer's output h_j is recurrent (the next draft step's feature in place
+of g) and tokens come from lm_head(norm(h)). ``norm`` is the head's own RMSNorm (as EAGLE-3), initialised as
+a copy of the target's final norm and trained. Deviations from EAGLE-3 (kept simple, stated here):
+  * the layer is EAGLE-1's: fc(cat[emb(x), g]) 2d→d, then one decoder layer of the target's class; EAGLE-3's
+    reference layer instead normalises the embedding and the feature separately and feeds their 2d concat to
+    an attention whose q/k/v take 2d inputs (so its layer is not the target's class);
+  * the LM head stays the target's frozen one (rows of the draft vocabulary), where EAGLE-3 trains its own
+    draft-vocabulary LM head;
+  * ``fuse`` starts as "take h_high" (identity on the last listed layer, zero elsewhere) so training starts
+    from a logit-lens guess, where EAGLE-3 starts it at random;
+  * any number ≥ 1 of layers is accepted (EAGLE-3: three).
+Callers feed raw target rows through :meth:`input_features` (g for a fused head, the feature itself for
+EAGLE-1) and the head's own outputs back as they are; :meth:`logits` applies the norm. So chain and tree
+drafting are the same code for both styles.
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +48,18 @@ from torch import nn
 
 from ..errors import UserError
 from ..vocab import DraftVocab
+from ..target import check_hidden_layers
 from .common import DraftVocabMixin, Head, base_model, build_stack, clone_layer, sub_config
+
+
+def eagle3_layers(n_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low/mid/high feature layers for an ``n_layers``-layer target, as HF ``hidden_states`` ids: its
+    reference code records the input of decoder layers 2, N//2 and N-3 (= the outputs of layers 2, N//2, N-3 in
+    HF's numbering, where hidden_states[i] is the input of layer i)."""
+    if n_layers < 4:
+        raise UserError(f"EAGLE-3's default feature layers (2, N//2, N-3) need a target of >= 4 layers, this one "
+                        f"has {n_layers}: set head.feature_layers explicitly")
+    return 2, n_layers // 2, n_layers - 3
 
 
 class EagleHead(DraftVocabMixin, Head):
@@ -37,12 +68,14 @@ class EagleHead(DraftVocabMixin, Head):
     INITS = ("identity", "last_layer", "random")
 
     def __init__(self, target: nn.Module, init: str = "identity", draft_vocab: DraftVocab | None = None,
-                 input_norm: bool = True, fc_bias: bool = True):
+                 input_norm: bool = True, fc_bias: bool = True, feature_layers=None):
         """init: ``identity`` = the target's last layer with its output projections zeroed, so the
         head starts as f̂_{t+1} = f_t and learns a residual (a copy of the last layer applied to a
         post-norm feature starts far off); ``last_layer`` = plain copy; ``random`` = fresh layer.
         draft_vocab: draft from these target ids only (None = the full vocabulary).
-        input_norm / fc_bias: keep the decoder layer's input RMSNorm / a bias on ``fc`` (module docstring)."""
+        input_norm / fc_bias: keep the decoder layer's input RMSNorm / a bias on ``fc`` (module docstring).
+        feature_layers: None = EAGLE-1 (post-norm final feature, predicted); a tuple of hidden-state ids = EAGLE-3
+        fusion (module docstring)."""
         super().__init__()
         if init not in self.INITS:
             raise UserError(f"eagle head init must be one of {', '.join(self.INITS)}, got '{init}'")
@@ -51,6 +84,8 @@ class EagleHead(DraftVocabMixin, Head):
         d = target.config.hidden_size
         self._remember_target(target)
         self.init, self.input_norm, self.fc_bias = init, bool(input_norm), bool(fc_bias)
+        self.feature_layers = None if feature_layers is None else check_hidden_layers(
+            feature_layers, total, "eagle head feature_layers")
         layer = clone_layer(base.layers[-1], 0)
         if init == "identity":
             with torch.no_grad():
@@ -74,6 +109,15 @@ class EagleHead(DraftVocabMixin, Head):
             self.fc.weight[:, d:].copy_(torch.eye(d))
             if self.fc_bias:
                 self.fc.bias.zero_()
+        if self.feature_layers is not None:
+            n = len(self.feature_layers)
+            self.fuse = nn.Linear(n * d, d, bias=False, device=p.device, dtype=p.dtype)
+            with torch.no_grad():  # start as "take the high layer" (module docstring)
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, (n - 1) * d:].copy_(torch.eye(d))
+            self.norm = copy.deepcopy(base.norm)
+            for q in self.norm.parameters():
+                q.requires_grad_(True)
         self._set_draft_vocab(draft_vocab, target)
         if draft_vocab is not None:
             out = target.get_output_embeddings()
@@ -89,19 +133,38 @@ class EagleHead(DraftVocabMixin, Head):
     def lm_head(self) -> nn.Module:
         return self._shared[1]
 
+    @property
+    def fused(self) -> bool:
+        """EAGLE-3 style: fused multi-layer input, recurrent output (module docstring)."""
+        return self.feature_layers is not None
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        """The target hidden-state layers this head reads (``Target.request_hidden``): (-1,) = post-norm final."""
+        return self.feature_layers if self.fused else (-1,)
+
+    def input_features(self, rows: torch.Tensor) -> torch.Tensor:
+        """Target rows [..., d·len(target_layers)] → the head's input feature [..., d] (g = fuse(rows) when
+        fused; the rows themselves for EAGLE-1)."""
+        return self.fuse(rows.to(self.fuse.weight.dtype)) if self.fused else rows
+
     def head_config(self) -> dict:
-        return {"init": self.init, "input_norm": self.input_norm, "fc_bias": self.fc_bias,
+        fused = {"feature_layers": list(self.feature_layers)} if self.fused else {}
+        return {"init": self.init, "input_norm": self.input_norm, "fc_bias": self.fc_bias, **fused,
                 "target": self._signature, **self.draft_vocab_config()}
 
     @classmethod
     def from_head_config(cls, meta: dict, target, draft_vocab: DraftVocab | None = None) -> "EagleHead":
-        # heads saved before input_norm/fc_bias existed had both
+        # heads saved before input_norm/fc_bias existed had both; before feature_layers, all were EAGLE-1 heads
         return cls(cls._check_target(meta, target), init=meta.get("init", "identity"), draft_vocab=draft_vocab,
-                   input_norm=meta.get("input_norm", True), fc_bias=meta.get("fc_bias", True))
+                   input_norm=meta.get("input_norm", True), fc_bias=meta.get("fc_bias", True),
+                   feature_layers=meta.get("feature_layers"))
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, past_key_values=None,
                 attention_mask=None, use_cache: bool = False, position_ids=None) -> torch.Tensor:
-        """features [B, T, d] (f_0..f_{T-1}), next_tokens [B, T] (x_1..x_T) → predicted f_1..f_T."""
+        """features [B, T, d] (f_0..f_{T-1}), next_tokens [B, T] (x_1..x_T) → predicted f_1..f_T (fused: the
+        recurrent states h_0..h_{T-1}, whose tokens are x_2..x_{T+1}'s drafts). features = ``input_features`` of
+        target rows, or the head's own earlier outputs."""
         with torch.no_grad():
             e = self.embed(next_tokens)
         x = self.fc(torch.cat([e.to(features.dtype), features], dim=-1))
@@ -110,7 +173,10 @@ class EagleHead(DraftVocabMixin, Head):
         return out.last_hidden_state
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary ([..., N]; [..., V] without one)."""
+        """Logits over the draft vocabulary ([..., N]; [..., V] without one) of a head output (fused: after the
+        head's norm)."""
+        if self.fused:
+            features = self.norm(features)
         if self.draft_vocab is None:
             return self.lm_head(features)
         return F.linear(features, self.draft_weight.to(features.dtype),

@@ -7,20 +7,46 @@ records held-out teacher-forced top-1 agreement with the target.
 With ``draft_vocab`` (default: the tokens covering 95% of the target's distilled outputs) the head's
 logits cover only that subset; the CE term matches the target's distribution renormalised over the
 subset (the best a subset drafter can do), and agreement counts the drafted target id.
+
+EAGLE-3 options (ALGORITHMS.md §9; recipe ``recipes/heads/eagle3.yaml``; decode/heads/eagle.py):
+
+* ``head.features: fused``: the head reads target layers ``head.feature_layers`` (default EAGLE-3's
+  (2, N//2, N-3)) through its ``fuse`` layer and predicts no feature; the loss is CE only.
+* ``head.ttt_steps: k`` (training-time test): the head is unrolled k steps and every step has a loss,
+  weighted ``ttt_decay``**step (EAGLE-3: 0.8**step, summed, not normalised). Step 0 is teacher forced: slot j
+  reads (g_j, x_{j+1}) at position j, causally, and predicts the target's distribution at position j+1. Step
+  s ≥ 1: slot j reads (its own step-(s-1) output, x_{j+s+1}) at position j+s, attends to the step-0 keys of
+  slots 0..j and to its own keys of steps 1..s (a diagonal), and predicts the target at position j+s+1 —
+  exactly what draft step s+1 computes at decode time after the true entries 0..j (the arm's head cache holds
+  true entries plus the current draft's own). Tokens are the true ones (teacher forcing on tokens, as EAGLE-3).
+  The earlier steps' keys/values ride in an HF ``DynamicCache`` and each step passes a 4-D additive mask to the
+  head's own HF decoder stack. Works for EAGLE-1-style heads too (their feature input is their own prediction).
+
+Deviations from EAGLE-3's reference training (SafeAILab/EAGLE ``traineagle3``), each on purpose:
+  * positions: step s runs at position j+s, as drafting does; the reference keeps position j at every step;
+  * positions whose target top token lies outside the draft vocabulary keep their loss (against the target's
+    distribution renormalised over the subset, as the EAGLE-1 recipe does); the reference masks them out;
+  * ``recipes/heads/eagle3.yaml`` unrolls 3 steps (CPU budget); the reference unrolls 7.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache
 
 from decode.errors import UserError
 from decode.heads import EagleHead
+from decode.heads.eagle import eagle3_layers
+from decode.target import layer_features
 
 from .data import collator
+from .features import FeatureCacheSection, with_feature_cache
 from toolkit.config import DraftVocabSection
 
 from .heads import HeadRecipe, OpenTextSection, count_trainable, finish, fit, head_fingerprint, text_setup
@@ -32,16 +58,34 @@ KIND = "eagle"
 @dataclass
 class EagleSection:
     init: Literal["identity", "last_layer", "random"] = "identity"  # see decode.heads.EagleHead
-    ce_weight: float = 0.1  # EAGLE-1's w
+    ce_weight: float = 0.1  # EAGLE-1's w (features: final); fused heads have a CE-only loss and ignore it
     noise: float = 0.1  # half-width of U(-a, a) added to input features while training (0 = off)
     # serving layout: false/false = no input RMSNorm on the layer, no fc bias, which vLLM, SGLang and
     # speculators run (`python -m toolkit export --format speculators` and vLLM load it); true/true = EAGLE-1's head
     input_norm: bool = True
     fc_bias: bool = True
+    # final = EAGLE-1 (post-norm final hidden state in, predicted); fused = EAGLE-3 (feature_layers fused in,
+    # recurrent hidden state out, CE-only loss)
+    features: Literal["final", "fused"] = "final"
+    feature_layers: list[int] | None = None  # fused only: HF hidden_states ids; null = EAGLE-3's (2, N//2, N-3)
+    ttt_steps: int = 1  # training-time test: unrolled steps with a loss each (1 = EAGLE-1 training)
+    ttt_decay: float = 0.8  # step s's loss weight = ttt_decay**s (EAGLE-3: 0.8)
 
     def __post_init__(self):
         if self.ce_weight < 0 or self.noise < 0:
             raise UserError(f"head.ce_weight and head.noise must be >= 0, got {self.ce_weight}, {self.noise}")
+        if self.feature_layers is not None and self.features != "fused":
+            raise UserError("head.feature_layers picks the fused layers: set head.features=fused too (or drop it)")
+        if self.ttt_steps < 1:
+            raise UserError(f"head.ttt_steps must be >= 1 (1 = no training-time test), got {self.ttt_steps}")
+        if not 0 < self.ttt_decay <= 1:
+            raise UserError(f"head.ttt_decay must be in (0, 1], got {self.ttt_decay}")
+
+    def layers(self, n_layers: int) -> tuple[int, ...] | None:
+        """The head's ``feature_layers`` for an ``n_layers``-layer target (None = EAGLE-1)."""
+        if self.features != "fused":
+            return None
+        return tuple(self.feature_layers) if self.feature_layers is not None else eagle3_layers(n_layers)
 
 
 @dataclass
@@ -49,6 +93,7 @@ class EagleRecipe(HeadRecipe):
     head: EagleSection = field(default_factory=EagleSection)
     open_text: OpenTextSection = field(default_factory=OpenTextSection)  # EAGLE learns from any text
     draft_vocab: DraftVocabSection | None = field(default_factory=DraftVocabSection)  # null = full vocabulary
+    feature_cache: FeatureCacheSection = field(default_factory=FeatureCacheSection)  # target features on disk
 
 
 class EagleTrainModule(nn.Module):
@@ -64,80 +109,191 @@ class EagleTrainModule(nn.Module):
         return self._target[0]
 
 
-def _shifted(model: EagleTrainModule, inputs: dict, noise: float):
-    """Head input (f_j, x_{j+1}) → prediction of f_{j+1}; mask: x_{j+2} is a response token.
-    Returns (predicted features, target features, target logits) at the masked positions only
-    (the LM head, the dominant cost at this model size, runs only where the loss looks)."""
-    ids, attn, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
-    target = model.target
+def target_hidden_states(target, inputs: dict, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target's features for a batch: (feature input [B, T, D_in], final hidden [B, T, d]), float32.
+
+    feature input = the target hidden states of ``layers`` (HF ``hidden_states`` ids, the head's
+    ``target_layers``) side by side in that order, D_in = d·len(layers); final = the post-norm final state (the
+    LM-head input, for the target's logits). For an EAGLE-1 head (layers (-1,)) both are the same tensor.
+    Contract for a feature cache: when ``inputs`` holds ``"target_hidden"`` ([B, T, D_in], already in the
+    head's layer order) the target does not run; ``"target_final"`` ([B, T, d]) must come with it unless
+    layers == (-1,). Every target forward of this trainer goes through here."""
+    if "target_hidden" in inputs:
+        feats = inputs["target_hidden"].float()
+        final = inputs.get("target_final")
+        if final is None:
+            if tuple(layers) != (-1,):
+                raise UserError(f"cached target features for layers {list(layers)} need 'target_final' (the "
+                                "post-norm final hidden state) beside 'target_hidden'")
+            final = feats
+        return feats, final.float()
+    ids, attn = inputs["input_ids"], inputs["attention_mask"]
     if target.device != ids.device:  # unregistered, so the Trainer/DeepSpeed did not move it
         target.to(ids.device)
-    mask = torch.zeros_like(ids[:, 1:], dtype=torch.bool)
-    mask[:, :-1] = labels[:, 2:] != -100
+    everything = tuple(layers) != (-1,)
     with torch.no_grad():
-        feats = target.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state.float()
-        tgt = feats[:, 1:][mask]
-        p_logits = target.get_output_embeddings()(tgt).float()
+        out = target.get_decoder()(input_ids=ids, attention_mask=attn, output_hidden_states=everything)
+        final = out.last_hidden_state.float()
+        feats = layer_features(out.hidden_states, tuple(layers)).float() if everything else final
+    return feats, final
+
+
+class TTTStep(NamedTuple):
+    """One unrolled step at its loss positions: the head's outputs, the target's post-norm final hidden state
+    at the predicted position (EAGLE-1's regression target) and the target's logits there."""
+    pred: torch.Tensor
+    feat: torch.Tensor
+    p_logits: torch.Tensor
+
+
+def _shift(x: torch.Tensor, s: int, n: int, fill) -> torch.Tensor:
+    """x[:, s:s+n] along dim 1, padded with ``fill`` to n columns where x ends."""
+    part = x[:, s:s + n]
+    if part.shape[1] == n:
+        return part
+    pad = torch.full((x.shape[0], n - part.shape[1], *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([part, pad], dim=1)
+
+
+def ttt_mask(attn: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4-D mask [B, 1, S, (step+1)·S] for unrolled step ``step`` ≥ 1 over S slots: slot j sees the
+    step-0 keys of slots ≤ j that are not padding (``attn`` [B, S]) and its own keys of steps 1..step."""
+    B, S = attn.shape
+    causal = torch.ones(S, S, dtype=torch.bool, device=attn.device).tril()
+    first = causal[None] & attn.bool()[:, None, :]
+    diag = torch.eye(S, dtype=torch.bool, device=attn.device).repeat(1, step)
+    visible = torch.cat([first, diag[None].expand(B, S, step * S)], dim=-1)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=attn.device).masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def unroll(model: EagleTrainModule, inputs: dict, noise: float, steps: int = 1) -> list[TTTStep]:
+    """The head unrolled ``steps`` times over a batch (module docstring); step s's outputs at the slots j whose
+    predicted position j+s+1 exists and carries a label (token j+s+2 is a response token). The LM head, the
+    dominant cost at this model size, runs only where the loss looks."""
+    ids, attn, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
+    head, target = model.head, model.target
+    feats, final = target_hidden_states(target, inputs, head.target_layers)
+    S = ids.shape[1] - 1  # slots j = 0..T-2
     x = feats[:, :-1]
     if noise and model.training:
         x = x + (torch.rand_like(x) * 2 - 1) * noise
-    pred = model.head(x, ids[:, 1:], attention_mask=attn[:, :-1])
-    return pred[mask], tgt, p_logits
+    g = head.input_features(x)
+    slot_attn = attn[:, :-1]
+    cache = DynamicCache() if steps > 1 else None
+    pos0 = torch.arange(S, device=ids.device).unsqueeze(0)
+    out = []
+    for s in range(steps):
+        mask = slot_attn if s == 0 else ttt_mask(slot_attn, s, g.dtype)
+        h = head(g, _shift(ids, s + 1, S, 0), past_key_values=cache, attention_mask=mask, use_cache=cache is not None,
+                 position_ids=pos0 + s)
+        keep = _shift(labels, s + 2, S, -100) != -100
+        tgt = _shift(final, s + 1, S, 0.0)[keep]
+        with torch.no_grad():
+            p_logits = target.get_output_embeddings()(tgt.to(target.dtype)).float()
+        out.append(TTTStep(h[keep], tgt, p_logits))
+        g = h
+    return out
 
 
 def make_loss(section: EagleSection):
     def loss_fn(model, inputs):
-        pred, feat, p_logits = _shifted(model, inputs, section.noise)
-        if pred.shape[0] == 0:
-            zero = sum(p.sum() for p in model.head.parameters()) * 0.0
-            return zero, {}
-        reg = F.smooth_l1_loss(pred, feat)
         head = model.head
-        q_logits = head.logits(pred)  # over the draft vocabulary
-        ce = -(torch.softmax(head.restrict(p_logits), -1) * torch.log_softmax(q_logits, -1)).sum(-1).mean()
-        acc = (head.target_ids(q_logits.argmax(-1)) == p_logits.argmax(-1)).float().mean()
-        return reg + section.ce_weight * ce, {"reg": reg.item(), "ce": ce.item(), "top1": acc.item()}
+        total, logs = None, {}
+        for s, step in enumerate(unroll(model, inputs, section.noise, section.ttt_steps)):
+            if step.pred.shape[0] == 0:
+                continue
+            q_logits = head.logits(step.pred)  # over the draft vocabulary
+            ce = -(torch.softmax(head.restrict(step.p_logits), -1) * torch.log_softmax(q_logits, -1)).sum(-1).mean()
+            acc = (head.target_ids(q_logits.argmax(-1)) == step.p_logits.argmax(-1)).float().mean()
+            if head.fused:  # no feature to regress on: the head's output is its own recurrent state
+                loss = ce
+            else:
+                reg = F.smooth_l1_loss(step.pred, step.feat)
+                loss = reg + section.ce_weight * ce
+                logs["reg" if s == 0 else f"reg@{s}"] = reg.item()
+            logs["ce" if s == 0 else f"ce@{s}"] = ce.item()
+            logs["top1" if s == 0 else f"top1@{s}"] = acc.item()
+            loss = section.ttt_decay ** s * loss
+            total = loss if total is None else total + loss
+        if total is None:
+            return sum(p.sum() for p in head.parameters()) * 0.0, {}
+        return total, logs
     return loss_fn
 
 
 @torch.inference_mode()
-def heldout_agreement(module: EagleTrainModule, examples, progress: bool = True) -> dict:
-    """Teacher-forced (true features in, one step ahead) top-1 agreement and 1 − TV with the target."""
+def heldout_agreement(module: EagleTrainModule, examples, progress: bool = True, steps: int = 1) -> dict:
+    """Top-1 agreement and 1 − TV with the target, teacher forced (true features in, one step ahead), and with
+    ``steps`` > 1 also per unrolled step (the head on its own outputs, as in drafting: ``by_step``)."""
     from tqdm.auto import tqdm
 
     module.eval()
     dev = next(module.head.parameters()).device
-    tot = {"n": 0, "agree": 0.0, "overlap": 0.0}
+    tot = [{"n": 0, "agree": 0.0, "overlap": 0.0} for _ in range(steps)]
     for ex in tqdm(examples, desc="held-out agreement", disable=not progress):
         inputs = {k: torch.tensor([ex[k]], device=dev) for k in ("input_ids", "attention_mask", "labels")}
-        pred, _, p_logits = _shifted(module, inputs, 0.0)
-        if pred.shape[0]:
-            s = position_stats(p_logits, module.head.draft_logits(pred).float())
-            for k in tot:
-                tot[k] += s[k]
-    n = max(tot["n"], 1)
-    return {"examples": len(examples), "positions": tot["n"], "top1_agreement": tot["agree"] / n,
-            "acceptance": tot["overlap"] / n}
+        for t, step in zip(tot, unroll(module, inputs, 0.0, steps)):
+            if step.pred.shape[0]:
+                s = position_stats(step.p_logits, module.head.draft_logits(step.pred).float())
+                for k in t:
+                    t[k] += s[k]
+    rates = [{"positions": t["n"], "top1_agreement": t["agree"] / max(t["n"], 1),
+              "acceptance": t["overlap"] / max(t["n"], 1)} for t in tot]
+    report = {"examples": len(examples), **rates[0]}
+    if steps > 1:
+        report["by_step"] = rates
+    return report
+
+
+_EAGLE3_FIELDS = ("features", "feature_layers", "ttt_steps", "ttt_decay")
+
+
+def _fingerprint(section: EagleSection) -> dict:
+    """The head section as checkpoints record it; the EAGLE-3 fields only when set away from their defaults, so
+    EAGLE-1 runs started before they existed still resume."""
+    from toolkit.config import to_dict
+
+    default = EagleSection()
+    return {k: v for k, v in to_dict(section).items()
+            if k not in _EAGLE3_FIELDS or getattr(section, k) != getattr(default, k)}
+
+
+def _cached_tensors(target, layers: tuple[int, ...]):
+    """What the feature cache stores per example: exactly the inputs :func:`target_hidden_states` reads back
+    (``target_final`` only when the head's input is not the final state itself)."""
+    def compute(batch: dict) -> dict:
+        feats, final = target_hidden_states(target, batch, layers)
+        return {"target_hidden": feats} if tuple(layers) == (-1,) else {"target_hidden": feats, "target_final": final}
+    return compute
 
 
 def train(recipe: EagleRecipe) -> dict:
     from toolkit.config import to_dict
 
-    st = text_setup(recipe, KIND)
+    # EAGLE-3-style runs default to their own folder (runs/heads/eagle3/<task>), so both styles can sit side by side
+    eagle3 = recipe.head.features == "fused" or recipe.head.ttt_steps > 1
+    st = text_setup(recipe, "eagle3" if eagle3 else KIND)
     head = EagleHead(st.target, init=recipe.head.init, draft_vocab=st.vocab, input_norm=recipe.head.input_norm,
-                     fc_bias=recipe.head.fc_bias)
-    fp = head_fingerprint(recipe, KIND, st.place, examples=len(st.train), head=to_dict(recipe.head),
+                     fc_bias=recipe.head.fc_bias, feature_layers=recipe.head.layers(st.target.config.num_hidden_layers))
+    fp = head_fingerprint(recipe, KIND, st.place, examples=len(st.train), head=_fingerprint(recipe.head),
                           draft_vocab=to_dict(recipe.draft_vocab))
-    run = fit(EagleTrainModule(st.target, head), make_loss(recipe.head), st.train, collator(st.tokenizer), recipe,
-              st.out, fp, st.place)
+    train_ds, collate = with_feature_cache(
+        recipe.feature_cache, st.out, st.train, collator(st.tokenizer), _cached_tensors(st.target, head.target_layers),
+        {"target": recipe.target, "layers": list(head.target_layers), "max_length": recipe.data.max_length},
+        st.place.device, recipe.progress)
+    run = fit(EagleTrainModule(st.target, head), make_loss(recipe.head), train_ds, collate, recipe, st.out, fp, st.place)
     trained = run.module
     if trained is None:
         return {}
     with st.place.autocast():
-        heldout = heldout_agreement(trained, st.heldout, recipe.progress) if len(st.heldout) else None
+        heldout = (heldout_agreement(trained, st.heldout, recipe.progress, recipe.head.ttt_steps)
+                   if len(st.heldout) else None)
     return finish(trained.head, recipe, KIND, st.out, run, train_examples=st.train_examples(),
                   trainable_params=count_trainable(trained.head),
-                  feature="post-norm final hidden state (LM-head input)", draft_vocab=st.vocab_info(), heldout=heldout)
+                  feature=(f"fused target layers {list(head.feature_layers)}" if head.fused
+                           else "post-norm final hidden state (LM-head input)"),
+                  draft_vocab=st.vocab_info(), heldout=heldout)
 
 
 def main(argv=None) -> int:

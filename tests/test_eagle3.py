@@ -1,0 +1,425 @@
+"""EAGLE-3's two ideas as options (decode/heads/eagle.py, toolkit/train/eagle.py): fused low/mid/high target
+features with a recurrent head state, and training-time test (TTT). The key check: a TTT step-s output and loss
+equal what the decode arm computes by literally drafting (true entries, then s draft steps on its own output)."""
+import json
+
+import pytest
+import torch
+
+from decode.arms import ArmEnv, build_arm
+from decode.arms.eagle import EagleArm
+from decode.arms.eagle_tree import EagleTreeArm
+from decode.engine import SpecEngine
+from decode.errors import UserError
+from decode.heads import EagleHead, load_head, save_head
+from decode.heads.eagle import eagle3_layers
+from decode.policies import build_policy
+from decode.sampling import SamplingConfig
+from decode.target import Target
+from decode.verify import Verifier
+from helpers import plain_greedy, tiny_llama
+from test_heads import tiny_distilled  # noqa: F401  (the tiny distilled set, a module fixture)
+from toolkit.train.eagle import (EagleSection, EagleTrainModule, make_loss, target_hidden_states, ttt_mask,
+                                 unroll)
+
+GREEDY = SamplingConfig()
+LAYERS = (1, 2, 3)  # low/mid/high of a 4-layer tiny target
+
+
+@pytest.fixture(autouse=True)
+def _threads(one_thread):
+    yield
+
+
+def _perturbed(head: EagleHead, scale: float = 0.3, seed: int = 0) -> EagleHead:
+    """A head whose every trained tensor matters (the identity init would hide wrong wiring)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.trainable_parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g) * (p.abs().mean() + 0.05))
+    return head.eval()
+
+
+def _head(model, fused: bool, seed: int = 0, **kw) -> EagleHead:
+    return _perturbed(EagleHead(model, init="last_layer", feature_layers=LAYERS if fused else None, **kw), seed=seed)
+
+
+# --------------------------------------------------------------------------- head options
+
+
+def test_fused_head_layout_and_eagle3_default_layers():
+    model = tiny_llama(layers=4, seed=1)
+    head = EagleHead(model, feature_layers=LAYERS)
+    d = model.config.hidden_size
+    assert head.fused and head.target_layers == LAYERS
+    assert head.fuse.weight.shape == (d, 3 * d) and head.fuse.bias is None
+    assert torch.equal(head.norm.weight, model.model.norm.weight) and head.norm.weight is not model.model.norm.weight
+    assert {"fuse.weight", "norm.weight"} <= set(head.trainable_state_dict())
+    # fuse starts as "take the high layer"; logits go through the head's norm
+    rows = torch.randn(5, 3 * d)
+    assert torch.allclose(head.input_features(rows), rows[:, 2 * d:])
+    h = torch.randn(5, d)
+    assert torch.allclose(head.logits(h), model.lm_head(head.norm(h)))
+    assert not EagleHead(model).fused and EagleHead(model).target_layers == (-1,)
+    assert eagle3_layers(30) == (2, 15, 27) and eagle3_layers(32) == (2, 16, 29)
+    with pytest.raises(UserError, match="N//2"):
+        eagle3_layers(3)
+    with pytest.raises(UserError, match="feature_layers"):
+        EagleHead(model, feature_layers=(1, 2, 9))
+
+
+def test_fused_head_round_trip_and_old_head_json_loads(tmp_path):
+    model = tiny_llama(layers=4, seed=1)
+    head = _head(model, fused=True)
+    save_head(head, tmp_path / "e3")
+    meta = json.loads((tmp_path / "e3" / "head.json").read_text())
+    assert meta["feature_layers"] == list(LAYERS)
+    back = load_head(tmp_path / "e3", model, expect="eagle")
+    assert back.feature_layers == LAYERS
+    rows, t = torch.randn(1, 4, 3 * model.config.hidden_size), torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.allclose(back.logits(back(back.input_features(rows), t)),
+                              head.logits(head(head.input_features(rows), t)), atol=1e-6)
+    # an EAGLE-1 folder writes no new key and loads as before (a head.json from before the option)
+    old = _head(model, fused=False)
+    save_head(old, tmp_path / "e1")
+    meta = json.loads((tmp_path / "e1" / "head.json").read_text())
+    assert "feature_layers" not in meta
+    again = load_head(tmp_path / "e1", model)
+    assert not again.fused and torch.equal(again.fc.weight, old.fc.weight)
+
+
+# --------------------------------------------------------------------------- Target: union of hidden layers
+
+
+def test_target_hidden_layers_union_and_columns():
+    model = tiny_llama(layers=4, seed=2)
+    t = Target(model)
+    d = model.config.hidden_size
+    assert t.hidden_layers == (-1,) and not t.want_hidden
+    assert t.request_hidden(LAYERS) == slice(d, 4 * d) and t.want_hidden
+    assert t.request_hidden((-1,)) == slice(0, d)  # the post-norm final state stays first
+    assert t.request_hidden((2, 3)) == slice(2 * d, 4 * d)  # a run already there is reused
+    assert t.request_hidden((3, 1)) == slice(4 * d, 6 * d)  # else appended: earlier slices stay valid
+    assert t.hidden_layers == (-1, 1, 2, 3, 3, 1)
+    with pytest.raises(UserError, match="0..4"):
+        t.request_hidden((5,))
+    prompt = [3, 1, 4, 1, 5, 9]
+    t.prefill(prompt)
+    res = t.score(prompt[-1], torch.tensor([2, 6]))
+    with torch.no_grad():
+        hs = model(torch.tensor([prompt + [2, 6]]), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[i][0] for i in t.hidden_layers], -1)
+    assert res.hidden.shape == (3, 6 * d) and t.prefill_hidden.shape == (5, 6 * d)
+    assert torch.allclose(t.prefill_hidden, want[:5], atol=1e-5)
+    assert torch.allclose(res.hidden, want[5:], atol=1e-5)
+
+
+# --------------------------------------------------------------------------- training-time test
+
+
+def _batch(T: int = 12, seed: int = 0, vocab: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (1, T), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _decode_reference(model, head, ids: list[int], steps: int):
+    """What decoding computes: for each slot j, the arm's true entries over ids[:j+2] (the draft's first step),
+    then ``steps``-1 draft steps feeding the head's own output with the true next tokens. Returns
+    {(s, j): head output} and the target's distribution for each (s, j) (position j+s+1)."""
+    arm = EagleArm(head, model, GREEDY, L=steps)
+    out = {}
+    T = len(ids)
+    for j in range(T - 1):
+        arm.reset(ids[:j + 2])
+        h = arm._true_step(ids[:j + 2])
+        for s in range(steps):
+            if j + s + 2 >= T:
+                break
+            out[s, j] = h
+            h = arm._step(h.unsqueeze(0), [ids[j + s + 2]])
+        arm.cache.crop(arm.entries)
+    return out
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_ttt_steps_equal_literal_decoding(fused):
+    """Step s at slot j of the unrolled batch == draft step s+1 of the arm after the context ids[:j+2]: same head
+    output, same target distribution, same loss."""
+    model = tiny_llama(layers=4, seed=3)
+    head = _head(model, fused, seed=1)
+    steps = 3
+    inputs = _batch(T=10, seed=2)
+    module = EagleTrainModule(model, head).eval()
+    with torch.no_grad():
+        got = unroll(module, inputs, 0.0, steps)
+        ref = _decode_reference(model, head, inputs["input_ids"][0].tolist(), steps)
+        logits = model(inputs["input_ids"]).logits[0]
+    T = inputs["input_ids"].shape[1]
+    section = EagleSection(features="fused" if fused else "final", feature_layers=list(LAYERS) if fused else None,
+                           ttt_steps=steps, noise=0.0)
+    with torch.no_grad():
+        _, logs = make_loss(section)(module, inputs)
+    for s, step in enumerate(got):
+        slots = list(range(T - s - 2))  # slot j predicts position j+s+1 (token j+s+2 must exist)
+        assert step.pred.shape[0] == len(slots)
+        want = torch.stack([ref[s, j] for j in slots])
+        assert torch.allclose(step.pred, want, atol=1e-5), (s, (step.pred - want).abs().max())
+        p_ref = logits[[j + s + 1 for j in slots]]
+        assert torch.allclose(step.p_logits, p_ref, atol=1e-4)
+        # the loss the trainer logs for this step, from the arm's literal outputs
+        ce = -(torch.softmax(p_ref, -1) * torch.log_softmax(head.logits(want), -1)).sum(-1).mean()
+        assert logs["ce" if s == 0 else f"ce@{s}"] == pytest.approx(ce.item(), rel=1e-5, abs=1e-6)
+
+
+def test_ttt_is_padding_invariant_and_its_mask_is_diagonal():
+    """Right-padded batches give each sequence what it gets alone (padding keys masked at every step)."""
+    model = tiny_llama(layers=4, seed=3)
+    head = _head(model, fused=True, seed=2)
+    module = EagleTrainModule(model, head).eval()
+    a, b = _batch(T=11, seed=4), _batch(T=7, seed=5)
+    pad = 11 - 7
+    batch = {k: torch.cat([a[k], torch.cat([b[k], torch.full((1, pad), -100 if k == "labels" else 0)], 1)])
+             for k in a}
+    with torch.no_grad():
+        both = unroll(module, batch, 0.0, 3)
+        alone = [unroll(module, x, 0.0, 3) for x in (a, b)]
+    for s in range(3):
+        assert torch.allclose(both[s].pred, torch.cat([alone[0][s].pred, alone[1][s].pred]), atol=1e-5)
+    m = ttt_mask(torch.tensor([[1, 1, 1, 0]]), 2, torch.float32)[0, 0] == 0
+    assert m.shape == (4, 12)
+    assert torch.equal(m[:, :4], torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]).bool())
+    eye = torch.eye(4, dtype=torch.bool)
+    assert torch.equal(m[:, 4:8], eye) and torch.equal(m[:, 8:], eye)
+
+
+def test_cached_target_features_contract():
+    """A feature cache hands ``target_hidden`` (+ ``target_final`` for fused heads); the target is not run."""
+    model = tiny_llama(layers=4, seed=3)
+    inputs = _batch(T=8)
+    feats, final = target_hidden_states(model, inputs, LAYERS)
+    assert feats.shape == (1, 8, 3 * 32) and final.shape == (1, 8, 32)
+
+    class NoTarget:
+        def __getattr__(self, name):
+            raise AssertionError("the target must not run when features are cached")
+
+    cached = {**inputs, "target_hidden": feats, "target_final": final}
+    f2, g2 = target_hidden_states(NoTarget(), cached, LAYERS)
+    assert torch.equal(f2, feats) and torch.equal(g2, final)
+    with pytest.raises(UserError, match="target_final"):
+        target_hidden_states(NoTarget(), {**inputs, "target_hidden": feats}, LAYERS)
+    f1, g1 = target_hidden_states(NoTarget(), {**inputs, "target_hidden": final}, (-1,))
+    assert f1 is g1
+    head = _head(model, fused=True)
+    module = EagleTrainModule(model, head).eval()
+    with torch.no_grad():
+        a, b = unroll(module, inputs, 0.0, 2), unroll(module, cached, 0.0, 2)
+    assert all(torch.allclose(x.pred, y.pred) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_ttt_training_reduces_every_steps_loss(fused):
+    model = tiny_llama(layers=4, seed=3, peaked=3.0)
+    torch.manual_seed(0)
+    head = EagleHead(model, init="identity", feature_layers=LAYERS if fused else None)
+    module = EagleTrainModule(model, head).train()
+    section = EagleSection(features="fused" if fused else "final", feature_layers=list(LAYERS) if fused else None,
+                           ttt_steps=3, noise=0.0)
+    loss_fn = make_loss(section)
+    batch = {k: torch.cat([_batch(T=16, seed=i)[k] for i in range(4)]) for k in ("input_ids", "attention_mask",
+                                                                                "labels")}
+    with torch.no_grad():  # the floor of each step's CE: the target's entropy (a near-uniform tiny target)
+        H = [-(torch.softmax(s.p_logits, -1) * torch.log_softmax(s.p_logits, -1)).sum(-1).mean().item()
+             for s in unroll(module, batch, 0.0, 3)]
+    opt = torch.optim.Adam(head.trainable_parameters(), lr=3e-3)
+    first, logs0 = loss_fn(module, batch)
+    for _ in range(40):
+        loss, logs = loss_fn(module, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert {"ce", "ce@1", "ce@2"} <= set(logs0) and ("reg" in logs0) != fused
+    assert loss.item() < first.item()
+    for k, h in zip(("ce", "ce@1", "ce@2"), H):  # KL to the target at least halves at every unrolled step
+        assert logs[k] - h < 0.5 * (logs0[k] - h), (k, logs0[k], logs[k], h)
+    assert all(logs[k] > logs0[k] + 0.1 for k in ("top1", "top1@1", "top1@2")), (logs0, logs)
+
+
+def test_recipe_section_validation_and_eagle3_recipe():
+    from toolkit.config import load_recipe
+    from toolkit.train.eagle import EagleRecipe
+
+    r = load_recipe(EagleRecipe, "recipes/heads/eagle3.yaml", [])
+    assert r.head.features == "fused" and r.head.ttt_steps == 3 and r.head.ttt_decay == 0.8
+    assert r.head.layers(30) == (2, 15, 27) and EagleSection().layers(30) is None
+    assert EagleSection(features="fused", feature_layers=[1, 2, 3]).layers(30) == (1, 2, 3)
+    from toolkit.train.eagle import _fingerprint
+    assert set(_fingerprint(EagleSection())) == {"init", "ce_weight", "noise", "input_norm", "fc_bias"}  # resumable
+    assert _fingerprint(r.head)["ttt_steps"] == 3 and _fingerprint(r.head)["features"] == "fused"
+    with pytest.raises(UserError, match="features=fused"):
+        EagleSection(feature_layers=[1, 2, 3])
+    with pytest.raises(UserError, match="ttt_steps"):
+        EagleSection(ttt_steps=0)
+    with pytest.raises(UserError, match="ttt_decay"):
+        EagleSection(ttt_decay=0.0)
+
+
+# --------------------------------------------------------------------------- decoding with fused heads
+
+
+def _engine(model, arms, target):
+    return SpecEngine(target, arms, Verifier(GREEDY))
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_fused_head_greedy_lossless_and_true_entries(cache):
+    model = tiny_llama(layers=4, seed=5)
+    target = Target(model, cache=cache)
+    arm = EagleArm(_head(model, fused=True), model, GREEDY, L=4, target=target, cache=cache)
+    eng = _engine(model, [arm], target)
+    target.want_hidden = True
+    for prompt in ([1, 2, 3, 4, 5, 1, 2, 3], [7, 9, 11]):
+        gen = eng.generate(prompt, build_policy("fixed:arm=0", 1, eng.max_len, seed=0), 24)
+        assert gen.tokens == plain_greedy(model, prompt, 24)
+        assert arm.target_forwards == 0  # rows came with the engine's forwards
+    ctx = prompt + gen.tokens
+    with torch.no_grad():
+        hs = model(torch.tensor([ctx]), output_hidden_states=True).hidden_states
+    ref = torch.cat([hs[i][0] for i in LAYERS], -1)
+    n = arm.feats.shape[0]
+    assert n >= len(ctx) - 2 and torch.allclose(arm.feats, ref[:n], atol=1e-4)
+
+
+def test_fused_head_without_engine_rows_computes_its_layers():
+    model = tiny_llama(layers=4, seed=5)
+    head = _head(model, fused=True)
+    arm = EagleArm(head, model, GREEDY, L=3)  # no Target: the arm runs the target for its layers
+    ctx = [4, 8, 15, 16, 23]
+    draft = arm.propose(ctx, 3)
+    assert len(draft) == 3 and arm.target_forwards == 1 and arm.feats.shape == (4, 3 * 32)
+
+
+def test_pool_of_eagle1_and_eagle3_arms_shares_one_target():
+    """Both styles on one Target: the union of their layers, each arm reading its own columns."""
+    model = tiny_llama(layers=4, seed=6)
+    target = Target(model)
+    e1 = EagleArm(_head(model, fused=False, seed=3), model, GREEDY, L=3, target=target, label="e1")
+    e3 = EagleArm(_head(model, fused=True, seed=4), model, GREEDY, L=4, target=target, label="e3")
+    tree = EagleTreeArm(_head(model, fused=True, seed=5), model, GREEDY, L=3, nodes=8, topk=2, target=target)
+    suffix = build_arm("suffix:L=3,min_match=1", ArmEnv(model, None, GREEDY))
+    assert target.hidden_layers == (-1, *LAYERS)
+    assert e1.columns == slice(0, 32) and e3.columns == tree.columns == slice(32, 128)
+    eng = _engine(model, [e1, e3, tree, suffix], target)
+    assert target.want_hidden
+    for prompt in ([1, 2, 3, 4, 5, 1, 2, 3], [7, 9, 11]):
+        gen = eng.generate(prompt, build_policy("random", 4, eng.max_len, seed=1), 30)
+        assert gen.tokens == plain_greedy(model, prompt, 30)
+        assert {r.arm for r in gen.rounds} >= {0, 1, 2}
+    assert e1.target_forwards == e3.target_forwards == tree.target_forwards == 0
+    # Cali-TS reads H_t^(T) = the post-norm final state from every arm, whatever layers it drafts from
+    ctx = prompt + gen.tokens
+    with torch.no_grad():
+        final = model(torch.tensor([ctx]), output_hidden_states=True).hidden_states[-1][0]
+    e1.propose(ctx, 2)
+    e3.propose(ctx, 2)
+    h1, h3 = e1.calibration_features(1)[0], e3.calibration_features(1)[0]
+    assert h3.shape == (32,) and torch.equal(h1, h3)
+    assert any(torch.allclose(h3, row, atol=1e-4) for row in final[-2:])  # the last scored committed position
+
+
+def test_eagle_factory_builds_fused_heads_from_a_folder(tmp_path):
+    model = tiny_llama(layers=4, seed=6)
+    save_head(_head(model, fused=True), tmp_path / "e3")
+    target = Target(model)
+    env = ArmEnv(model, None, GREEDY, target=target)
+    arm = build_arm(f"eagle:path={tmp_path / 'e3'},L=3,tree=dynamic,nodes=6,topk=2", env)
+    assert arm.head.fused and target.hidden_layers == (-1, *LAYERS) and target.want_hidden
+    eng = _engine(model, [arm], target)
+    prompt = [2, 4, 6, 8, 2, 4]
+    assert eng.generate(prompt, build_policy("fixed:arm=0", 1, eng.max_len, seed=0), 20).tokens == \
+        plain_greedy(model, prompt, 20)
+
+
+def test_fused_head_sampling_follows_the_target():
+    """Sampled decoding with a fused head keeps the target's law (chi-square on the first two tokens)."""
+    from test_sampling_lossless import V, _assert_first_two_tokens_follow_target
+
+    cfg = SamplingConfig(1.0)
+    model = tiny_llama(vocab=V, hidden=16, layers=4, seed=4, peaked=4.0)
+    gen = torch.Generator().manual_seed(0)
+    wrapped = Target(model)
+    head = EagleHead(model, init="last_layer", feature_layers=(1, 2, 3))
+    arm = EagleArm(head, model, cfg, L=2, generator=gen, target=wrapped)
+    eng = SpecEngine(wrapped, [arm], Verifier(cfg, generator=gen))
+    _assert_first_two_tokens_follow_target(eng, model, cfg)
+
+
+# --------------------------------------------------------------------------- the recipe end to end
+
+def test_eagle3_recipe_trains_from_the_cli_then_decodes_losslessly(tiny_distilled):
+    from decode.models import load_model
+    from toolkit.train import eagle
+
+    d, tiny, common = tiny_distilled
+    # the tiny target has 2 layers: EAGLE-3's default (2, N//2, N-3) needs 4, so name three of its states
+    argv = ["--recipe", "recipes/heads/eagle3.yaml", *common, f"out_dir={d}/eagle3", "head.feature_layers=[0,1,2]",
+            "open_text.fraction=0.3"]
+    assert eagle.main(argv) == 0
+    report = json.loads((d / "eagle3" / "eval.json").read_text())
+    assert report["feature"] == "fused target layers [0, 1, 2]"
+    assert len(report["heldout"]["by_step"]) == 3
+    assert report["recipe"]["head"]["ttt_steps"] == 3
+    target, _ = load_model(tiny)
+    wrapped = Target(target)
+    arm = build_arm(f"eagle:path={d / 'eagle3'},L=3", ArmEnv(target, None, GREEDY, target=wrapped))
+    assert arm.head.fused and arm.head.feature_layers == (0, 1, 2)
+    eng = _engine(target, [arm], wrapped)
+    prompt = [1, 5, 9, 5, 1, 5]
+    assert eng.generate(prompt, build_policy("fixed:arm=0", 1, eng.max_len, seed=0), 20).tokens == \
+        plain_greedy(target, prompt, 20)
+
+
+def test_cali_ts_and_early_exit_read_the_final_state_beside_a_fused_arm():
+    """A fused EAGLE-3 arm widens the Target's hidden rows; the length controller (Cali-TS) and the early-exit
+    arm keep reading the post-norm final state (columns [:d]), and decoding stays lossless."""
+    from decode.heads import EarlyExitDrafter
+    from decode.arms.early_exit import EarlyExitArm
+    from decode.length import build_length
+
+    model = tiny_llama(layers=4, seed=2)
+    head = EagleHead(model, feature_layers=(1, 2, 3))
+    target = Target(model, want_hidden=True)
+    arms = [EagleArm(head, model, GREEDY, L=3, target=target),
+            EarlyExitArm(EarlyExitDrafter(model, 1), GREEDY, L=3, target=target)]
+    assert target.hidden_layers != (-1,)
+    eng = SpecEngine(target, arms, Verifier(GREEDY))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    gen = eng.generate(prompt, build_policy("random", 2, eng.max_len, seed=0), 24,
+                       length=build_length("cali-ts:predictor=top1"))
+    assert gen.tokens == plain_greedy(model, prompt, 24)
+    assert arms[1].target_hidden.shape == (model.config.hidden_size,)
+
+
+@pytest.mark.parametrize("style", ["eagle1", "eagle3"])
+def test_cached_features_train_the_same_head_as_on_the_fly(tiny_distilled, style):
+    """feature_cache.enabled=true (float32) reads back exactly what the target computes on the fly: the same
+    data, the same steps, the same trained weights; a rerun reuses the cache."""
+    from safetensors.torch import load_file
+
+    from toolkit.train import eagle
+
+    d, tiny, common = tiny_distilled
+    extra = ["head.features=fused", "head.feature_layers=[0,1,2]", "head.ttt_steps=2"] if style == "eagle3" else []
+    args = common + ["train.max_steps=2", "open_text.fraction=0", *extra]
+    assert eagle.main(args + [f"out_dir={d}/fly_{style}"]) == 0
+    cached = args + [f"out_dir={d}/cached_{style}", "feature_cache.enabled=true", "feature_cache.dtype=float32"]
+    assert eagle.main(cached) == 0
+    names = json.loads((d / f"cached_{style}" / "feature_cache" / "meta.json").read_text())["names"]
+    assert names == (["target_final", "target_hidden"] if style == "eagle3" else ["target_hidden"])
+    fly = load_file(str(d / f"fly_{style}" / "head.safetensors"))
+    got = load_file(str(d / f"cached_{style}" / "head.safetensors"))
+    assert fly.keys() == got.keys()
+    for k in fly:
+        torch.testing.assert_close(got[k], fly[k], atol=1e-5, rtol=1e-4)
