@@ -244,7 +244,8 @@ class SpecEngine:
         state.ctx.extend(tokens)
         state.tokens.extend(tokens)
         if hidden is not None:
-            state.length.observe_target(hidden[-1])
+            # columns [:d] are the post-norm final state; fused EAGLE-3 arms widen the rows (Target.request_hidden)
+            state.length.observe_target(hidden[-1, :self.target.hidden_size])
         for a in self.arms:
             a.observe(state.ctx, hidden if a.uses_target_hidden else None)
 
