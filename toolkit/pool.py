@@ -51,16 +51,24 @@ class Budget:
     L: int = 3  # draft length of the trained arms
     epochs: int = 1  # passes over the data when the time budget does not stop training first
     distill_overrides: tuple[str, ...] = ()
+    eagle_overrides: tuple[str, ...] = ()  # EAGLE recipe fields (recipes/heads/eagle.yaml) for this budget
+
+
+# teacher-forced EAGLE training at scale: the distilled answers + 9× as many streamed ShareGPT conversations,
+# target features computed once and cached, an 8192-token draft vocabulary (FR-Spec)
+AT_SCALE = ("open_text.source=sharegpt", "open_text.path=null", "open_text.fraction=0.9", "draft_vocab.size=8192",
+            "feature_cache.enabled=true", "train.batch_size=4")
 
 
 BUDGETS: dict[str, Budget] = {
     # a smoke run keeps every row (a random tiny target's text can trip the degenerate-output filters)
-    "tiny": Budget(("math",), 2, 16, None, 2, None, 1, 8, distill_overrides=("filters.rules=[]",)),
-    "small": Budget(("math", "code", "chat"), 16, 256, 15, -1, None, 1, 96, epochs=8),
+    "tiny": Budget(("math",), 2, 16, None, 2, None, 1, 8, distill_overrides=("filters.rules=[]",),
+                   eagle_overrides=("feature_cache.enabled=true",)),
+    "small": Budget(("math", "code", "chat"), 16, 256, 15, -1, None, 1, 96, epochs=8, eagle_overrides=AT_SCALE),
     "medium": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 64, 256, 90, -1, 60, 2, 96,
-                     epochs=8),
+                     epochs=8, eagle_overrides=AT_SCALE),
     "large": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 512, 256, 480, -1, 240, 5, 128,
-                    epochs=8),
+                    epochs=8, eagle_overrides=AT_SCALE),
 }
 
 
@@ -93,7 +101,7 @@ def plan(target: str, budget_name: str, out: Path, suite: str) -> list[tuple[str
               f"train.epochs={b.epochs}"]
     eagle = out / "heads" / "eagle"
     stages.append(("train:eagle", ["-m", "toolkit", "train", "eagle", "--task", task, *common,
-                                   f"out_dir={eagle}", "progress=false",
+                                   f"out_dir={eagle}", "progress=false", *b.eagle_overrides,
                                    *([f"train.max_minutes={b.eagle_minutes}"] if b.eagle_minutes else [])]))
     arms = [f"eagle:path={eagle},L={b.L}"]
     if b.early_exit_minutes:
