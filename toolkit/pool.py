@@ -11,8 +11,9 @@ or target re-runs it, and the stage's command then resumes or refuses as it alwa
 Budgets (what a 2-core CPU finishes in the time stated for the default target; larger ones are for GPUs):
 
 * ``small`` (≤ 60 min on a CPU, what a new user runs first): math/code/chat × 16 prompts at the four
-  distillation temperatures; one EAGLE head on all of it with a pruned draft vocabulary, 15 minutes of
-  training; pool = that head + prompt lookup + suffix; eval on every dev category × 1 prompt, 96 tokens.
+  distillation temperatures; one EAGLE head trained at scale (``AT_SCALE``: those answers + 19× as many
+  ShareGPT conversations, target features cached once, an 8192-token draft vocabulary), 15 minutes of
+  training; pool = that head + prompt lookup + suffix; eval on every dev category × 2 prompts, 96 tokens.
 * ``medium``: six tasks × 64 prompts; EAGLE (90 min) and an early-exit head (60 min); dev × 2 prompts.
 * ``large``: six tasks × 512 prompts; EAGLE 8 h, early exit 4 h; dev × 5 prompts.
 * ``tiny``: a smoke run (one task, two prompts, two training steps, one eval prompt) for tests and for
@@ -54,17 +55,17 @@ class Budget:
     eagle_overrides: tuple[str, ...] = ()  # EAGLE recipe fields (recipes/heads/eagle.yaml) for this budget
 
 
-# teacher-forced EAGLE training at scale: the distilled answers + 9× as many streamed ShareGPT conversations,
+# teacher-forced EAGLE training at scale: the distilled answers + 19× as many streamed ShareGPT conversations,
 # target features computed once and cached, an 8192-token draft vocabulary (FR-Spec)
-AT_SCALE = ("open_text.source=sharegpt", "open_text.path=null", "open_text.fraction=0.9", "draft_vocab.size=8192",
-            "feature_cache.enabled=true", "train.batch_size=4")
+AT_SCALE = ("open_text.source=sharegpt", "open_text.path=null", "open_text.fraction=0.95", "draft_vocab.size=8192",
+            "feature_cache.enabled=true", "train.batch_size=4", "train.save_steps=200", "train.logging_steps=50")
 
 
 BUDGETS: dict[str, Budget] = {
     # a smoke run keeps every row (a random tiny target's text can trip the degenerate-output filters)
     "tiny": Budget(("math",), 2, 16, None, 2, None, 1, 8, distill_overrides=("filters.rules=[]",),
                    eagle_overrides=("feature_cache.enabled=true",)),
-    "small": Budget(("math", "code", "chat"), 16, 256, 15, -1, None, 1, 96, epochs=8, eagle_overrides=AT_SCALE),
+    "small": Budget(("math", "code", "chat"), 16, 256, 15, -1, None, 2, 96, epochs=5, eagle_overrides=AT_SCALE),
     "medium": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 64, 256, 90, -1, 60, 2, 96,
                      epochs=8, eagle_overrides=AT_SCALE),
     "large": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 512, 256, 480, -1, 240, 5, 128,
