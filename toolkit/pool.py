@@ -53,6 +53,7 @@ class Budget:
     epochs: int = 1  # passes over the data when the time budget does not stop training first
     distill_overrides: tuple[str, ...] = ()
     eagle_overrides: tuple[str, ...] = ()  # EAGLE recipe fields (recipes/heads/eagle.yaml) for this budget
+    eagle_style: str = "eagle"  # "eagle" (EAGLE-1: recipes/heads/eagle.yaml) or "eagle3" (recipes/heads/eagle3.yaml)
 
 
 # teacher-forced EAGLE training at scale: the distilled answers + 19× as many streamed ShareGPT conversations,
@@ -65,7 +66,8 @@ BUDGETS: dict[str, Budget] = {
     # a smoke run keeps every row (a random tiny target's text can trip the degenerate-output filters)
     "tiny": Budget(("math",), 2, 16, None, 2, None, 1, 8, distill_overrides=("filters.rules=[]",),
                    eagle_overrides=("feature_cache.enabled=true",)),
-    "small": Budget(("math", "code", "chat"), 16, 256, 15, -1, None, 2, 96, epochs=5, eagle_overrides=AT_SCALE),
+    "small": Budget(("math", "code", "chat"), 16, 256, 15, -1, None, 2, 96, L=2, epochs=5,
+                    eagle_overrides=AT_SCALE),
     "medium": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 64, 256, 90, -1, 60, 2, 96,
                      epochs=8, eagle_overrides=AT_SCALE),
     "large": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 512, 256, 480, -1, 240, 5, 128,
@@ -100,8 +102,10 @@ def plan(target: str, budget_name: str, out: Path, suite: str) -> list[tuple[str
     task = "all" if len(b.tasks) > 1 else b.tasks[0]
     common = [f"target={target}", f"data.root={distill_root}", f"train.max_steps={b.eagle_steps}",
               f"train.epochs={b.epochs}"]
-    eagle = out / "heads" / "eagle"
-    stages.append(("train:eagle", ["-m", "toolkit", "train", "eagle", "--task", task, *common,
+    eagle = out / "heads" / b.eagle_style
+    style_recipe = REPO_ROOT / "recipes" / "heads" / f"{b.eagle_style}.yaml"
+    recipe = [] if b.eagle_style == "eagle" else ["--recipe", str(style_recipe)]
+    stages.append(("train:eagle", ["-m", "toolkit", "train", "eagle", *recipe, "--task", task, *common,
                                    f"out_dir={eagle}", "progress=false", *b.eagle_overrides,
                                    *([f"train.max_minutes={b.eagle_minutes}"] if b.eagle_minutes else [])]))
     arms = [f"eagle:path={eagle},L={b.L}"]
