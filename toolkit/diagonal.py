@@ -1,5 +1,5 @@
-"""MetaSD's diagonal: every drafter on every task's held-out distilled split — is each task drafter better
-than the generalist (``all``) on its own task?
+"""MetaSD's diagonal: every drafter scored on every task's held-out distilled split, to see whether each
+task drafter beats the generalist (``all``) on its own task.
 
 ``python -m toolkit diagonal --drafters math=PATH,code=PATH,all=PATH --data-root runs/distill`` scores each
 drafter on each task's held-out prompts — the split the trainer held out (:func:`toolkit.train.data.is_heldout`
