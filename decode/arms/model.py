@@ -29,12 +29,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..draft import Draft
 from ..errors import UserError
+from ..heads.common import DraftVocabMixin, base_model
 from ..models import check_vocab_compatible, load_model
 from ..sampling import SamplingConfig, choose_token
 from ..specs import Range
 from ..target import KVCache, check_tree_support
 from ..tree import sample_chains, tree_attention
-from ..vocab import VOCAB_FILE, DraftVocab, expand_logits
+from ..vocab import VOCAB_FILE, DraftVocab
 from .base import Arm, ArmEnv, register
 
 VOCAB_CHOICES = "auto|none|PATH"
@@ -74,18 +75,17 @@ def load_drafter_vocab(folder, vocab_size: int, option: str = "auto") -> DraftVo
         raise UserError(f"{exc} (or draft from the full vocabulary with vocab=none)") from None
 
 
-class DraftVocabLM(nn.Module):
+class DraftVocabLM(DraftVocabMixin, nn.Module):
     """A causal LM that drafts from a draft vocabulary: ``forward`` takes the LM's own arguments (cache,
     positions, masks) and returns logits over the target vocabulary, finite on the subset only.
 
     The logits are the LM's decoder stack's last hidden state times the kept rows of its output
-    embedding (and bias), i.e. exactly the LM's logits on the subset, without the [V, d] product.
+    embedding (and bias), i.e. exactly the LM's logits on the subset, without the [V, d] product; the
+    subset's rows and the mapping back to target ids are the self-drafting heads' (``DraftVocabMixin``).
     ``logits_to_keep=k`` scores only the last k positions (a catch-up forward needs one)."""
 
     def __init__(self, model: nn.Module, vocab: DraftVocab):
         super().__init__()
-        from ..heads.common import base_model  # the decoder-stack lookup the self-drafting heads use
-
         head = model.get_output_embeddings()
         V = head.weight.shape[0]
         if vocab.vocab_size != V:
@@ -98,13 +98,10 @@ class DraftVocabLM(nn.Module):
                             f"vocabulary would change its distribution: pass vocab=none")
         self.model = model
         self.decoder = base_model(model)
-        self.draft_vocab = vocab
-        self.vocab_size = V
-        d2t = vocab.d2t.to(head.weight.device)
-        self.register_buffer("d2t", d2t, persistent=False)
-        self.register_buffer("rows", head.weight.detach().index_select(0, d2t).contiguous(), persistent=False)
+        self._set_draft_vocab(vocab, model)
+        self.register_buffer("rows", self.draft_rows(head.weight), persistent=False)
         bias = getattr(head, "bias", None)
-        self.register_buffer("bias", None if bias is None else bias.detach().index_select(0, d2t), persistent=False)
+        self.register_buffer("bias", None if bias is None else self.draft_rows(bias), persistent=False)
 
     @property
     def config(self):
@@ -115,8 +112,7 @@ class DraftVocabLM(nn.Module):
         h = out.last_hidden_state
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = F.linear(h, self.rows, self.bias)
-        return CausalLMOutputWithPast(logits=expand_logits(logits, self.d2t, self.vocab_size),
+        return CausalLMOutputWithPast(logits=self.full_logits(F.linear(h, self.rows, self.bias)),
                                       past_key_values=out.past_key_values)
 
 
