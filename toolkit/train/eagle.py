@@ -31,9 +31,7 @@ Deviations from EAGLE-3's reference training (SafeAILab/EAGLE ``traineagle3``), 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
-
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F

@@ -143,8 +143,9 @@ class CachedFeatureCollator:
         index = [int(f[INDEX]) for f in features]
         batch = self.collate([{k: v for k, v in f.items() if k != INDEX} for f in features])
         T = batch["input_ids"].shape[1]
+        cached = [self.store[i] for i in index]  # each example's tensors converted once
         for name in self.store.names:
-            rows = [self.store[i][name] for i in index]
+            rows = [c[name] for c in cached]
             padded = rows[0].new_zeros(len(rows), T, rows[0].shape[-1])
             for j, r in enumerate(rows):
                 padded[j, :r.shape[0]] = r[:T]
