@@ -40,8 +40,9 @@ def test_bench_round_breaks_every_arm_round_into_phases(tiny_target_dir, tmp_pat
     assert rep["arms"]["none"]["draft_cost"] is None and "drafted token (× step)" in table  # drafts nothing
     for label in ("pld@4", "suffix@6"):
         c = rep["arms"][label]["draft_cost"]
-        if c is not None:  # model-free drafting: microseconds, a tiny fraction of a step
-            assert 0 < c["fraction"] < 0.1 and c["target_step_ms"] > 0
+        if c is not None:  # structure only: how large a fraction it is is a timing (benchmarks report it)
+            assert c["fraction"] > 0 and c["target_step_ms"] > 0
+            assert c["fraction"] == pytest.approx(c["draft_ms_per_token"] / c["target_step_ms"], rel=1e-6)
 
     # the rounds are the engine's own: a plain generate of the same prompt with the same arm agrees
     from decode.arms import ArmEnv, build_arm
