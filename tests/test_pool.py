@@ -13,16 +13,24 @@ SUITE = str(Path(__file__).resolve().parents[2] / "shared/data/spec_bench/questi
 def test_tiny_pool_end_to_end_then_every_stage_is_skipped(tiny_target_dir, tmp_path, capsys):
     out = tmp_path / "pool"
     argv = ["pool", "--target", tiny_target_dir, "--budget", "tiny", "--out", str(out), "--suite", SUITE]
-    assert main(argv) == 0
-    err = capsys.readouterr().err
     names = [n for n, _ in plan(tiny_target_dir, "tiny", out, SUITE)]
     assert names == ["distill:math", "train:eagle", "pool-file", "eval"]
-    assert all(f"[pool] {n}: run" in err for n in names)
+    # --stop-after (what `make pretrained` uses): the stages up to it run, the rest wait for a rerun
+    assert main(argv + ["--stop-after", "train:eagle"]) == 0
+    err = capsys.readouterr().err
+    assert all(f"[pool] {n}: run" in err for n in names[:2]) and "stopped after train:eagle" in err
+    assert not (out / "pool.yaml").exists()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert all(f"[pool] {n}: skip (finished)" in err for n in names[:2])
+    assert all(f"[pool] {n}: run" in err for n in names[2:])
     assert (out / "heads" / "eagle" / "head.json").exists()
     assert "eagle:path=" in (out / "pool.yaml").read_text()
     report = json.loads((out / "eval" / "report.json").read_text())
     assert any(m.startswith("arm:eagle") for m in report["summary"]) and report["summary"]["hf"]
     assert set(json.loads((out / STATE).read_text())["stages"]) == set(names)
+    assert main(argv + ["--stop-after", "train:eagle"]) == 0  # stops at a finished stage too
+    assert "pool-file: skip" not in capsys.readouterr().err
     assert main(argv) == 0  # a rerun: nothing runs again
     err = capsys.readouterr().err
     assert all(f"[pool] {n}: skip (finished)" in err for n in names)
@@ -40,6 +48,8 @@ def test_bad_input_fails_fast_and_dry_run_only_prints(tmp_path, capsys):
     assert "--budget must be one of" in capsys.readouterr().err
     assert main(["pool", "--suite", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "p")]) == 2
     assert "--suite" in capsys.readouterr().err
+    assert main(["pool", "--stop-after", "train:nothing", "--out", str(tmp_path / "p"), "--suite", SUITE]) == 2
+    assert "--stop-after must name one of this budget's stages" in capsys.readouterr().err
     assert main(["pool", "--budget", "small", "--dry-run", "--out", str(tmp_path / "p"), "--suite", SUITE]) == 0
     err = capsys.readouterr().err
     assert "train.max_minutes=15" in err and "num_prompts=16" in err and not (tmp_path / "p" / STATE).exists()

@@ -83,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the stages' commands and whether each would run")
     p.add_argument("--fresh", action="store_true", help="forget the finished stages (their outputs stay; each "
                                                          "stage's own resume then decides)")
+    p.add_argument("--stop-after", metavar="STAGE", help="stop once this stage has finished (e.g. train:eagle: train "
+                                                         "now, evaluate later on a quiet machine); rerun without it "
+                                                         "to go on")
 
 
 def _slug(target: str) -> str:
@@ -154,23 +157,34 @@ def run(args) -> int:
     state_path = out / STATE
     state = {} if args.fresh else _load_state(state_path)
     stages = plan(args.target, args.budget, out, str(suite.resolve()))
+    names = [name for name, _ in stages]
+    if args.stop_after is not None and args.stop_after not in names:
+        raise UserError(f"--stop-after must name one of this budget's stages ({', '.join(names)}), "
+                        f"got '{args.stop_after}'")
     state.setdefault("budget", asdict(BUDGETS[args.budget]))
     done = state.setdefault("stages", {})
     for name, argv in stages:
         finished = done.get(name, {}).get("command") == argv
         print(f"[pool] {name}: {'skip (finished)' if finished else 'run'}"
               + (f"  $ python {' '.join(argv)}" if args.dry_run and argv[0] == "-m" else ""), file=sys.stderr)
-        if finished or args.dry_run:
-            continue
-        if name == "pool-file":
-            write_pool_file(out, args.target, args.budget, argv[1:])
-        else:
-            rc = subprocess.run([sys.executable, *argv]).returncode
-            if rc != 0:
-                raise UserError(f"stage {name} failed (exit {rc}); fix what it printed and rerun the same command "
-                                f"(finished stages are skipped): python {' '.join(argv)}")
-        done[name] = {"command": argv}
-        atomic_write_json(state_path, state, indent=2)
+        if not (finished or args.dry_run):
+            _run_stage(name, argv, out, args, state, state_path)
+        if name == args.stop_after:
+            print(f"[pool] stopped after {name} (--stop-after); rerun without it to go on", file=sys.stderr)
+            return 0
     if not args.dry_run:
         print(f"[pool] done: pool {out / 'pool.yaml'}, report {out / 'eval' / 'report.md'}", file=sys.stderr)
     return 0
+
+
+def _run_stage(name: str, argv: list[str], out: Path, args, state: dict, state_path: Path) -> None:
+    """Runs one stage and records it as finished (atomically, so an interruption never marks it done)."""
+    if name == "pool-file":
+        write_pool_file(out, args.target, args.budget, argv[1:])
+    else:
+        rc = subprocess.run([sys.executable, *argv]).returncode
+        if rc != 0:
+            raise UserError(f"stage {name} failed (exit {rc}); fix what it printed and rerun the same command "
+                            f"(finished stages are skipped): python {' '.join(argv)}")
+    state["stages"][name] = {"command": argv}
+    atomic_write_json(state_path, state, indent=2)
