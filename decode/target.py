@@ -36,13 +36,11 @@ two kinds, chosen per run (``cache="dynamic"|"static"``):
   attention) are refused with cache="static": their static layers roll their buffers and cannot be
   rolled back by a pointer.
 
-``Target(..., compile=True)`` (static cache only) runs the verification forward through
-``torch.compile(model, dynamic=True)``: the cache tensors and the pointer keep their addresses and
-the number of positions L+1 is a dynamic dimension (no padding: a one-token step costs one
-position). Dynamo specialises size 1, so there are two graphs (L+1 = 1 and L+1 ≥ 2); a new
-allocation (growth, a longer prompt) does not recompile. The prefill stays eager (its length varies
-per prompt). Measured on the default target, 2-core CPU: ~115 s of compilation for ~2% on a
-one-token step and ~15% on a 5-position verify — an option for long runs, off by default.
+``Target(..., compile=True)`` (static cache only) runs chain verification forwards through one static-shape
+graph per number of positions (decode/compiled.py: the sizes a run needs are compiled at load by
+``warm_up``; inductor's on-disk cache makes later runs cheap). The cache capacity is part of a graph's
+shape, so a run declares its largest need once (``reserve_capacity``) and later prompts reuse that
+allocation. The prefill and tree forwards stay eager (their lengths and masks vary).
 """
 from __future__ import annotations
 
@@ -55,6 +53,7 @@ from transformers.cache_utils import StaticLayer
 from .draft import Draft
 from .errors import UserError
 from .tree import tree_attention
+from .compiled import CompiledForward, warm_up_sizes
 
 CACHE_KINDS = ("dynamic", "static")
 CACHE_BUCKET = 256  # static allocations are multiples of this many slots (max_cache_len=None)
@@ -306,7 +305,7 @@ class Target:
             raise UserError("compile=True needs cache=static (a dynamic cache changes shape every round)")
         self.kv = KVCache.for_model(model, cache, max_cache_len)
         self.compile = bool(compile)
-        self._compiled = torch.compile(model, dynamic=True) if compile else None
+        self.compiled = CompiledForward(model) if compile else None
         self.forwards = 0
         self.prefill_hidden = None
         # layers of ScoreResult.hidden / prefill_hidden, in column order (d columns each); (-1,) = the post-norm
@@ -344,16 +343,25 @@ class Target:
     def _forward(self, ids: list[int] | torch.Tensor, hidden: bool, compiled: bool = False):
         x = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
         pos = self.kv.positions(x.shape[1])
-        if compiled and self._compiled is not None:
-            with torch.no_grad():  # inference_mode tensors do not mix well with compiled graphs
-                out = self._compiled(input_ids=x, position_ids=pos, past_key_values=self.kv.hf, use_cache=True,
-                                     output_hidden_states=hidden)
+        if compiled and self.compiled is not None:
+            out = self.compiled(input_ids=x, position_ids=pos, past_key_values=self.kv.hf, output_hidden_states=hidden)
         else:
             with torch.inference_mode():
                 out = self.model(input_ids=x, position_ids=pos, past_key_values=self.kv.hf, use_cache=True,
                                  output_hidden_states=hidden)
         self.kv.advance(x.shape[1])
         return out
+
+    def reserve_capacity(self, capacity: int) -> None:
+        """Allocate a static cache for sequences of up to ``capacity`` tokens now, so every later prompt that
+        fits reuses it (one cache shape for a whole run: what compiled graphs need). No-op for a dynamic cache."""
+        if self.cache_kind == "static":
+            self.kv.start(int(capacity))
+
+    def warm_up(self, max_positions: int, *, show: bool = True) -> float:
+        """Compile the verification forward for 1 … ``max_positions`` positions now (``compile=True``; else a
+        no-op returning 0); returns the seconds it took. Resets the current sequence."""
+        return warm_up_sizes(self, range(1, int(max_positions) + 1), show=show)
 
     def prefill(self, prompt_ids: list[int], capacity: int | None = None) -> None:
         """Start a new sequence: cache all prompt tokens but the last.

@@ -1,6 +1,8 @@
 """Static KV caches (decode/target.py KVCache): pointer rollback never reads stale entries, static and
 dynamic caches give the same logits, capacity rules, and greedy losslessness of every arm kind on
 both cache kinds."""
+import os
+
 import pytest
 import torch
 from transformers import Qwen2Config
@@ -232,23 +234,37 @@ def test_arm_caches_static_equal_dynamic_drafts():
         torch.testing.assert_close(a.q, b.q, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.slow  # ~30 s of inductor compilation on a CPU
-def test_compiled_verification_forward_matches_eager():
-    """Target(compile=True): the verification forward runs through torch.compile (L+1 as a dynamic
-    dimension); logits equal the eager dynamic-cache ones for every draft length."""
+@pytest.mark.slow  # inductor compiles three small graphs on a CPU
+def test_compiled_verification_forward_matches_eager_with_one_graph_per_size(tmp_path, monkeypatch):
+    """Target(compile=True): chain verification forwards run through one static-shape graph per number of
+    positions (decode/compiled.py). Logits equal the eager dynamic-cache ones for every draft length, a size
+    seen before reuses its graph (the pointer moves, nothing recompiles), and greedy decoding through the
+    compiled target is plain greedy decoding token for token."""
     pytest.importorskip("torch._inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     model = tiny_llama(layers=1, hidden=16, seed=1)
     ref, comp = Target(model), Target(model, cache="static", compile=True)
+    comp.reserve_capacity(64)
+    assert comp.warm_up(3, show=False) > 0 and comp.compiled.graphs == 3
     ctx = [3, 1, 4, 1, 5]
     for t in (ref, comp):
-        t.prefill(ctx)
-    for i, L in enumerate([0, 3, 1, 5, 0, 2]):
+        t.prefill(ctx, capacity=64)  # fits the reserved allocation: the same cache shape
+    for i, L in enumerate([0, 2, 1, 0, 2, 1]):
         d = torch.arange(L) + i
         a, b = ref.score(ctx[-1], d).logits, comp.score(ctx[-1], d).logits
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         for t in (ref, comp):
             t.rollback(len(ctx))
         ctx.append(int(a[0].argmax()))
+    assert comp.compiled.graphs == 3 and comp.kv.allocations == 1  # no new shape, no new allocation
+    assert os.listdir(tmp_path / "inductor")  # compiled artifacts reach the on-disk cache
+
+    arm = build_arm("pld:L=2,n=1", ArmEnv(model, TinyTokenizer(64), GREEDY, torch.Generator()))
+    eng = SpecEngine(comp, [arm], Verifier(GREEDY), step_time=1.0)
+    for prompt in PROMPTS:
+        gen = eng.generate(prompt, build_policy("fixed", 1, 2), 24)
+        assert gen.tokens == plain_greedy(model, prompt, 24)
+    assert comp.compiled.graphs == 3
 
 
 def test_auto_cache_is_static_on_cuda_or_compiled_and_dynamic_on_a_cpu():
