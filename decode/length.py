@@ -10,7 +10,9 @@ Callback: ``keep_going(i, dist_row, hidden=None) -> bool``; ``dist_row`` is the 
 distribution that produced token i−1 (None for deterministic arms such as PLD), ``hidden`` the
 drafter's hidden state for token i−1 when the arm has one.
 
-Specs: ``fixed``, ``beta-ts:alpha=1,beta=1,seed=0``, ``cali-ts:sigma_m=0.2,sigma_s=0.5,theta0=0.6``.
+Specs: ``fixed``, ``beta-ts:alpha=1,beta=1,seed=0``, ``cali-ts:sigma_m=0.2,sigma_s=0.5,theta0=0.6``,
+``cost:prior=1`` (not EESD's: chooses the length that maximises expected tokens per unit of cost on the
+device's measured verification curve, decode/cost.py).
 State resets per query unless ``carry=true``. Randomness comes from a seeded numpy Generator.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ class LengthController:
 
     name = "fixed"
     needs_target_hidden = False  # True: observe_target() must receive the target's hidden states
+    uses_cost = False  # True: the engine hands it its verification cost curve (use_cost) and probes it first
 
     def __init__(self, seed: int = 0, carry: bool = False):
         if seed < 0:
@@ -51,9 +54,16 @@ class LengthController:
             self.rng = np.random.default_rng(self.seed)
             self._init_state()
 
-    def keep_going(self, arm: int = 0):
-        """Callback for ``Arm.propose`` of arm ``arm`` (None = never stop early)."""
+    def keep_going(self, arm: int = 0, *, max_len: int | None = None, context: int = 0):
+        """Callback for ``Arm.propose`` of arm ``arm`` (None = never stop early); ``max_len``: the most tokens
+        this round may draft, ``context``: tokens of context (what the cost of a position depends on)."""
         return None
+
+    def use_cost(self, curve) -> None:
+        """The engine's :class:`~decode.cost.CostCurve` (only called when ``uses_cost``)."""
+
+    def observe_round(self, record) -> None:
+        """The engine's :class:`~decode.draft.RoundRecord` of the round just played (draft time and step time)."""
 
     def update(self, drafted: int, outcome: Outcome, arm: int = 0) -> None:
         """Learn from the round arm ``arm`` just had verified. ``outcome`` is the verifier's, before any
@@ -90,7 +100,7 @@ class BetaTS(LengthController):
         a, b = self.post.get(arm, (self.alpha0, self.beta0))
         return a, b
 
-    def keep_going(self, arm=0):
+    def keep_going(self, arm=0, **_):
         def cb(i, row=None, hidden=None):
             theta = self.rng.beta(*self.params(arm))
             return bool(self.rng.random() < theta)
@@ -172,7 +182,7 @@ class CaliTS(LengthController):
         mu = vs / (n * vm + vs) * theta_m + n * vm / (n * vm + vs) * self.theta_hat(arm)
         return mu, math.sqrt(vm * vs / (vs + n * vm))
 
-    def keep_going(self, arm=0):
+    def keep_going(self, arm=0, **_):
         def cb(i, row=None, hidden=None):
             theta_m = self.predictor(CaliContext(i, row, hidden, self.target_hidden))
             mu, sigma = self.posterior(self.theta0 if theta_m is None else float(theta_m), arm)
@@ -192,6 +202,84 @@ class CaliTS(LengthController):
         self.target_hidden = hidden
 
 
+class CostAware(LengthController):
+    """Draft the length that pays most on this device: per round, k* = argmax over k = 1 … max_len of
+
+        E[tokens | k] / cost(k),  E[tokens | k] = 1 + Σ_{m=1..k} Π_{i≤m} a_i,  cost(k) = c(k + 1) + k · d
+
+    in one-token steps, where c is the engine's measured verification curve at this context length
+    (decode/cost.py), d the arm's measured cost of one drafted token (a running mean of draft seconds per
+    drafted token over the step time) and a_i the arm's acceptance rate at position i given positions < i
+    were accepted, (accepted_i + prior) / (reached_i + 2·prior) — a Beta(prior, prior) posterior mean. The
+    arm drafts k* tokens (fewer when it runs out; token 0 is always drafted, so a pool that may not
+    speculate at all holds ``none`` for the policy to pick). Per arm, reset per query unless ``carry``.
+    ``plans`` records every round's choice (k*, expected tokens, expected cost) per arm for reports."""
+
+    name = "cost"
+    uses_cost = True
+
+    def __init__(self, prior: float = 1.0, seed: int = 0, carry: bool = False):
+        if not prior > 0:
+            raise UserError(f"cost: prior must be > 0, got {prior}")
+        self.prior = float(prior)
+        self.curve = None
+        super().__init__(seed, carry)
+
+    def _init_state(self):
+        self.reached: dict[int, list[int]] = {}  # arm -> rounds whose draft reached position i (index i-1)
+        self.accepted: dict[int, list[int]] = {}  # arm -> ... of which position i was accepted
+        self.draft_cost: dict[int, float] = {}  # arm -> drafted token in steps (running mean)
+        self.draft_rounds: dict[int, int] = {}
+        self.plans: dict[int, list[tuple[int, float, float]]] = {}  # arm -> [(k*, E[tokens], cost)]
+
+    def use_cost(self, curve) -> None:
+        self.curve = curve
+
+    def rates(self, arm: int, L: int) -> list[float]:
+        """a_1 … a_L of arm ``arm``."""
+        reached, acc = self.reached.get(arm, []), self.accepted.get(arm, [])
+        return [((acc[i] if i < len(acc) else 0) + self.prior) / ((reached[i] if i < len(reached) else 0)
+                                                                    + 2 * self.prior) for i in range(L)]
+
+    def plan(self, arm: int, max_len: int, context: int) -> tuple[int, float, float]:
+        """(k*, E[tokens | k*], cost(k*)) for a round of arm ``arm`` of at most ``max_len`` drafted tokens."""
+        d = self.draft_cost.get(arm, 0.0)
+        best, expected, prefix = (1, 0.0, 0.0), 1.0, 1.0
+        for k, a in enumerate(self.rates(arm, max(1, max_len)), start=1):
+            prefix *= a
+            expected += prefix
+            c = (self.curve.steps(k + 1, context) if self.curve is not None else k + 1) + k * d
+            if k == 1 or expected / c > best[1] / best[2]:
+                best = (k, expected, c)
+        return best
+
+    def keep_going(self, arm=0, *, max_len=None, context=0):
+        k, expected, cost = self.plan(arm, max_len or 1, context)
+        self.plans.setdefault(arm, []).append((k, expected, cost))
+        return lambda i, row=None, hidden=None: i < k
+
+    def update(self, drafted, outcome, arm=0):
+        if drafted <= 0:
+            return
+        reached, acc = self.reached.setdefault(arm, []), self.accepted.setdefault(arm, [])
+        upto = min(outcome.accepted + 1, drafted)  # positions reached: accepted ones and the first rejection
+        for lst in (reached, acc):
+            lst.extend([0] * (upto - len(lst)))
+        for i in range(upto):
+            reached[i] += 1
+        for i in range(outcome.accepted):
+            acc[i] += 1
+
+    def observe_round(self, record) -> None:
+        if record.drafted <= 0 or not record.step_time > 0:
+            return
+        n = self.draft_rounds.get(record.arm, 0) + 1
+        per_token = record.draft_time / record.drafted / record.step_time
+        old = self.draft_cost.get(record.arm, 0.0)
+        self.draft_rounds[record.arm] = n
+        self.draft_cost[record.arm] = old + (per_token - old) / n
+
+
 def _load_trained_predictor(folder: str) -> Predictor:
     if not Path(folder).is_dir():
         raise UserError(f"cali-ts: predictor '{folder}' is neither 'top1' nor a calibrator folder; train one "
@@ -201,7 +289,7 @@ def _load_trained_predictor(folder: str) -> Predictor:
 
 
 LENGTHS = Registry("length controller")
-for _name, _cls in (("fixed", LengthController), ("beta-ts", BetaTS), ("cali-ts", CaliTS)):
+for _name, _cls in (("fixed", LengthController), ("beta-ts", BetaTS), ("cali-ts", CaliTS), ("cost", CostAware)):
     LENGTHS.add(_name, _cls)
 
 

@@ -23,7 +23,7 @@ def out(accepted):
 
 
 def test_registry():
-    assert length_names() == ["beta-ts", "cali-ts", "fixed"]
+    assert length_names() == ["beta-ts", "cali-ts", "cost", "fixed"]
     assert type(build_length(None)) is LengthController and build_length("fixed").keep_going() is None
     c = build_length("beta-ts:alpha=2,beta=3", seed=4)
     assert (c.alpha0, c.beta0, c.seed) == (2.0, 3.0, 4) and c.params(0) == (2.0, 3.0)
@@ -147,7 +147,7 @@ def test_engine_passes_the_arm_index_to_the_length_controller():
         def _init_state(self):
             self.calls = []
 
-        def keep_going(self, arm=None):
+        def keep_going(self, arm=None, **_):
             self.calls.append(("keep_going", arm))
             return None
 

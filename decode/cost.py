@@ -1,0 +1,113 @@
+"""What a position costs: the device's verification cost curve c(n), learnt from the rounds themselves.
+
+c(n) = seconds of one target forward that scores n positions ÷ seconds of a one-token forward, at about the
+same context length. It is not a constant of the machine: on this CPU 3 positions cost 1.25 steps on one
+prompt set and more than 5 on another (issue 21), so the curve is kept per context bucket (``bucket``
+tokens wide) and every round adds a measurement (``SpecEngine.step`` reports its forward's time).
+
+Honest under noise: each (n, bucket) keeps its last ``window`` forward times and answers with their
+median (one slow round cannot move it), and c(n) divides by the median one-token time of the same bucket
+and window, so a machine slowed down as a whole changes both and leaves the ratio alone. A size never
+measured in a bucket borrows the nearest bucket's ratio; a size never measured anywhere is interpolated
+linearly between measured sizes (and extrapolated with the last slope), never guessed as 1.
+
+``probe`` seeds the curve before the first round (a few forwards per size, rolled back).
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+import torch
+
+CONTEXT_BUCKET = 256
+WINDOW = 32
+
+
+class CostCurve:
+    def __init__(self, bucket: int = CONTEXT_BUCKET, window: int = WINDOW):
+        if bucket < 1 or window < 1:
+            raise ValueError(f"bucket and window must be >= 1, got {bucket}, {window}")
+        self.bucket, self.window = int(bucket), int(window)
+        self._times: dict[tuple[int, int], deque] = {}
+
+    def _key(self, n: int, context: int) -> tuple[int, int]:
+        return int(n), int(context) // self.bucket
+
+    def observe(self, n: int, context: int, seconds: float) -> None:
+        """One forward of ``n`` positions after ``context`` tokens took ``seconds``."""
+        if n < 1 or not seconds > 0:
+            return
+        key = self._key(n, context)
+        times = self._times.get(key)
+        if times is None:
+            times = self._times[key] = deque(maxlen=self.window)
+        times.append(float(seconds))
+
+    def seconds(self, n: int, context: int) -> float | None:
+        """Median measured seconds of an ``n``-position forward in ``context``'s bucket (None: none yet)."""
+        times = self._times.get(self._key(n, context))
+        return statistics.median(times) if times else None
+
+    def _ratios(self, b: int) -> dict[int, float]:
+        one = self._times.get((1, b))
+        if not one:
+            return {}
+        base = statistics.median(one)
+        return {n: statistics.median(t) / base for (n, bb), t in self._times.items() if bb == b and t}
+
+    def steps(self, n: int, context: int) -> float:
+        """c(n): an ``n``-position forward in one-token steps, near ``context`` tokens of context (1.0 for n = 1;
+        n ≥ 2 from measurements as the module docstring says; n/1 linear when nothing at all is measured)."""
+        n = int(n)
+        if n <= 1:
+            return 1.0
+        b = int(context) // self.bucket
+        buckets = sorted({bb for (_, bb) in self._times}, key=lambda bb: (abs(bb - b), bb))
+        for bb in buckets:  # this bucket, then the nearest ones
+            r = self._ratios(bb)
+            if n in r:
+                return r[n]
+        merged: dict[int, float] = {}
+        for bb in reversed(buckets):  # nearer buckets overwrite farther ones
+            merged.update(self._ratios(bb))
+        merged[1] = 1.0
+        sizes = sorted(merged)
+        if len(sizes) == 1:
+            return float(n)
+        lo = max((s for s in sizes if s < n), default=sizes[0])
+        hi = min((s for s in sizes if s > n), default=None)
+        if hi is None:  # beyond the largest measured size: continue the last slope
+            lo, hi = sizes[-2], sizes[-1]
+        slope = (merged[hi] - merged[lo]) / (hi - lo)
+        return max(merged[lo] + slope * (n - lo), 1.0)
+
+    def table(self) -> dict[str, dict[str, float]]:
+        """{bucket start: {n: c(n)}} of every measured size, for reports."""
+        out: dict[str, dict[str, float]] = {}
+        for b in sorted({bb for (_, bb) in self._times}):
+            r = self._ratios(b)
+            if r:
+                out[str(b * self.bucket)] = {str(n): round(v, 3) for n, v in sorted(r.items())}
+        return out
+
+    def samples(self) -> int:
+        return sum(len(t) for t in self._times.values())
+
+
+def probe(curve: CostCurve, target, prompt_ids: list[int], sizes, repeats: int = 3, clock=None) -> None:
+    """Seed ``curve`` with ``repeats`` forwards of every size in ``sizes`` after ``prompt_ids`` (one warm-up
+    forward per size first); the target's cache is rolled back after each, so nothing changes. ``clock``:
+    a function returning seconds once the device is idle (the engine's)."""
+    import time
+    clock = clock or time.perf_counter
+    target.prefill(prompt_ids)
+    keep, last = len(prompt_ids) - 1, prompt_ids[-1]
+    for n in sorted({int(s) for s in sizes if int(s) >= 1}):
+        draft = torch.zeros(n - 1, dtype=torch.long)
+        for k in range(repeats + 1):
+            t0 = clock()
+            target.score(last, draft)
+            if k:
+                curve.observe(n, len(prompt_ids), clock() - t0)
+            target.rollback(keep)

@@ -1,0 +1,129 @@
+"""The verification cost curve (decode/cost.py) and the cost-aware length controller (decode/length.py
+``cost``): medians over a window, ratios to the one-token forward of the same context bucket, fallbacks,
+the argmax of expected tokens per cost, and greedy losslessness through the engine."""
+import itertools
+
+import pytest
+import torch
+
+from decode.arms import ArmEnv, build_arm
+from decode.cost import CostCurve, probe
+from decode.draft import Outcome, RoundRecord
+from decode.engine import SpecEngine
+from decode.errors import UserError
+from decode.length import CostAware, build_length
+from decode.policies import build_policy
+from decode.sampling import SamplingConfig
+from decode.target import Target
+from decode.verify import Verifier
+from helpers import TinyTokenizer, plain_greedy, tiny_llama
+
+GREEDY = SamplingConfig()
+
+
+def _curve(points, context=100, bucket=256):
+    c = CostCurve(bucket=bucket)
+    for n, secs in points:
+        for s in (secs if isinstance(secs, list) else [secs]):
+            c.observe(n, context, s)
+    return c
+
+
+def test_curve_is_a_median_ratio_to_the_one_token_forward_of_the_same_bucket():
+    c = _curve([(1, [0.030, 0.032, 0.031, 5.0]), (3, [0.040, 0.041, 0.039])])  # one 5 s outlier
+    assert c.steps(1, 100) == 1.0
+    assert c.steps(3, 100) == pytest.approx(0.040 / 0.0315)
+    # a machine slowed down as a whole (another bucket, everything 10x) keeps its own ratio
+    for s in (0.3, 0.32):
+        c.observe(1, 600, s)
+    c.observe(3, 600, 0.6)
+    assert c.steps(3, 600) == pytest.approx(0.6 / 0.31)
+    assert c.table() == {"0": {"1": 1.0, "3": round(0.040 / 0.0315, 3)}, "512": {"1": 1.0, "3": round(0.6 / 0.31, 3)}}
+
+
+def test_curve_window_forgets_old_measurements():
+    c = CostCurve(window=3)
+    for s in (1.0, 1.0, 1.0, 2.0, 2.0, 2.0):
+        c.observe(2, 0, s)
+    assert c.seconds(2, 0) == 2.0 and c.samples() == 3
+
+
+def test_curve_fallbacks_nearest_bucket_then_interpolation():
+    c = _curve([(1, 0.03), (2, 0.033), (5, 0.045)], context=10)
+    assert c.steps(2, 2000) == pytest.approx(1.1)  # nothing measured near 2000 tokens: the nearest bucket's
+    assert c.steps(3, 10) == pytest.approx(1.1 + (1.5 - 1.1) / 3)  # between 2 and 5, linearly
+    assert c.steps(7, 10) == pytest.approx(1.5 + 2 * (1.5 - 1.1) / 3)  # beyond 5: the last slope
+    assert CostCurve().steps(4, 0) == 4.0  # nothing at all measured: n positions = n steps
+    with pytest.raises(ValueError):
+        CostCurve(bucket=0)
+
+
+def _brute_force(rates, costs, d):
+    best = None
+    for k in range(1, len(rates) + 1):
+        e = 1 + sum(float(torch.tensor(rates[:m]).prod()) for m in range(1, k + 1))
+        v = e / (costs[k + 1] + k * d)
+        if best is None or v > best[0] + 1e-12:
+            best = (v, k)
+    return best[1]
+
+
+@pytest.mark.parametrize("accepts", [[0.1] * 4, [0.9] * 4, [0.95, 0.9, 0.2, 0.9], [0.6, 0.6, 0.6, 0.6]])
+@pytest.mark.parametrize("curve", [{2: 1.10, 3: 1.25, 4: 1.64, 5: 1.68}, {2: 1.5, 3: 1.4, 4: 1.3, 5: 1.35}])
+def test_cost_controller_picks_the_argmax_of_expected_tokens_per_cost(accepts, curve):
+    """Rounds with known acceptance per position teach the controller a_i; its plan is the brute-force
+    argmax of E[tokens | k] / (c(k+1) + k·d), and the callback drafts exactly k* tokens."""
+    c = _curve([(1, 0.03)] + [(n, 0.03 * v) for n, v in curve.items()])
+    ctl = build_length("cost:prior=1")
+    assert isinstance(ctl, CostAware)
+    ctl.use_cost(c)
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(400):  # rounds of 4 drafted tokens, position i accepted with accepts[i] given i-1 was
+        acc = 0
+        while acc < 4 and torch.rand(1, generator=rng).item() < accepts[acc]:
+            acc += 1
+        ctl.update(4, Outcome(accepted=acc, tokens=[0] * (acc + 1), tv=[], accept_prob=[]), arm=3)
+        ctl.observe_round(RoundRecord(arm=3, drafted=4, accepted=acc, new_tokens=acc + 1, draft_time=0.004 * 4,
+                                      verify_time=0.05, step_time=0.04))
+    assert ctl.draft_cost[3] == pytest.approx(0.1)
+    rates = ctl.rates(3, 4)
+    costs = {n: c.steps(n, 100) for n in range(2, 6)}
+    k = ctl.plan(3, 4, context=100)[0]
+    assert k == _brute_force(rates, costs, 0.1)
+    cb = ctl.keep_going(3, max_len=4, context=100)
+    drafted = next(i for i in itertools.count(1) if i == 4 or not cb(i))
+    assert drafted == k and ctl.plans[3][-1][0] == k
+    # an arm it knows nothing about: the prior's rates (0.5 each)
+    assert ctl.rates(7, 2) == [0.5, 0.5]
+
+
+def test_cost_controller_spec_errors():
+    with pytest.raises(UserError, match="prior"):
+        build_length("cost:prior=0")
+    with pytest.raises(UserError):
+        build_length("cost:pryor=1")
+
+
+def test_probe_seeds_the_curve_without_changing_the_cache():
+    model = tiny_llama(layers=1, hidden=16, seed=3)
+    t = Target(model)
+    c = CostCurve()
+    probe(c, t, [1, 2, 3, 4], [1, 3], repeats=2)
+    assert c.samples() == 4 and set(c.table()["0"]) == {"1", "3"}
+    assert t.cached == 3  # the prompt minus its last token, as after a prefill
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_engine_with_cost_controller_is_greedy_lossless_and_feeds_the_curve(cache, one_thread):
+    model = tiny_llama(layers=2, seed=1)
+    env = ArmEnv(model, TinyTokenizer(64), GREEDY, torch.Generator(), cache=cache)
+    arms = [build_arm("pld:L=4,n=1", env), build_arm("suffix:L=5,min_match=1", env)]
+    eng = SpecEngine(Target(model, cache=cache), arms, Verifier(GREEDY), step_time=1.0)
+    ctl = build_length("cost")
+    for prompt in ([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9]):
+        gen = eng.generate(prompt, build_policy("random", 2, 5, seed=2), 30, length=ctl)
+        assert gen.tokens == plain_greedy(model, prompt, 30)
+        for r in gen.rounds:
+            assert r.drafted <= arms[r.arm].L
+    assert eng.cost.samples() > 0 and ctl.curve is eng.cost
+    assert sum(len(v) for v in ctl.plans.values()) == len(gen.rounds)  # one plan per round of the last query
