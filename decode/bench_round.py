@@ -137,6 +137,8 @@ def run(args) -> int:
     def policy(i):
         return Fixed(K, engines[caches[0]].max_len, arm=i)
 
+    compile_info = {c: e.prepare([len(x) for x in encoded], args.max_new_tokens, show=not args.no_progress)
+                    for c, e in engines.items()}
     for c, i in runs:  # warm-up (and the step-time measurement), not counted
         engines[c].generate(encoded[0], policy(i), min(8, args.max_new_tokens))
     gens: dict[tuple[str, int], list[Generation]] = {r: [] for r in runs}
@@ -159,7 +161,8 @@ def run(args) -> int:
         table += ("\n\n| arm | static ÷ dynamic tokens/s |\n|---|---|\n"
                   + "\n".join(f"| {k} | {v:.3f} |" for k, v in ratios.items()))
     print(table)
-    compiled = " + compile" if args.compile else ""
+    compiled = (f" + compile ({sum(i['seconds'] for i in compile_info.values() if i):.0f} s of compiling before the "
+                f"run)" if args.compile else "")
     print(f"\n{len(encoded)} prompt(s) x {args.max_new_tokens} new tokens, {device}/{dtype_name(dtype)}, "
           f"{torch.get_num_threads()} thread(s), {'static and dynamic' if both else cache} cache{compiled}; outside = verify + rollback + "
           "bookkeeping + other (draft includes model-free lookups)")
@@ -167,7 +170,8 @@ def run(args) -> int:
         report = {"config": {k: v for k, v in vars(args).items() if k != "func"} | {
                       "arm_specs": specs, "arm_labels": labels, "device": str(device), "dtype": dtype_name(dtype),
                       "threads": torch.get_num_threads(),
-                      "step_time": {c: e.step_time for c, e in engines.items()}, "torch": torch.__version__,
+                      "step_time": {c: e.step_time for c, e in engines.items()}, "compile": compile_info,
+                      "torch": torch.__version__,
                       "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
                   "arms": result, "static_over_dynamic": ratios, "generations": per_gen, "table": table}
         atomic_write_json(out, report)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arms.base import Arm, ArmEnv, build_arms
+from .cost import CostCurve, probe
 from .device import synchronize
 from .draft import RoundRecord, StepResult, StepTimes
 from .errors import UserError
@@ -94,6 +95,7 @@ class SpecEngine:
         self.max_nodes = max(getattr(a, "max_nodes", a.L) for a in arms)  # tree arms score more positions than L
         self.step_time = step_time
         self.scorer = CounterfactualScorer(arms, greedy=verifier.cfg.greedy)
+        self.cost = CostCurve()  # c(n): every round's verification forward is a measurement (decode/cost.py)
 
     def _clock(self) -> float:
         """perf_counter() once the target's device has finished its queued work."""
@@ -113,6 +115,19 @@ class SpecEngine:
                 times.append(self._clock() - t0)
             self.target.rollback(keep)
         return statistics.median(times)
+
+    def prepare(self, prompt_lengths, max_new_tokens: int, *, show: bool = True) -> dict | None:
+        """Before a run of queries: size the target's cache for the longest of them once (a static cache then
+        keeps one shape for the whole run) and, on a compiled target, compile the verification forward for
+        every number of positions a chain round can score (1 … max L + 1; trees run eagerly). Returns the
+        compiled target's ``describe()`` (graphs, seconds), or None when nothing is compiled."""
+        lengths = [int(n) for n in prompt_lengths]
+        if lengths:
+            self.target.reserve_capacity(max(lengths) + max_new_tokens + self.max_nodes + 1)
+        if self.target.compiled is None:
+            return None
+        self.target.warm_up(self.max_len + 1, show=show)
+        return self.target.compiled.describe()
 
     def _arm_target_forwards(self) -> int:
         """Target forwards the arms have run themselves (an arm counts them in its ``target_forwards``)."""
@@ -147,6 +162,10 @@ class SpecEngine:
                                 f"fullinfo=true, which learn those arms from their own rounds")
             self.scorer.new_query()
         length.reset()
+        if length.uses_cost:
+            length.use_cost(self.cost)
+            if not self.cost.samples():  # seed the curve before the first round (then every round refines it)
+                probe(self.cost, self.target, prompt_ids, range(1, self.max_len + 2), clock=self._clock)
         for arm in self.arms:
             arm.reset(prompt_ids)
         # the most the target cache will hold: every token but the last, plus one round's scored positions
@@ -181,14 +200,16 @@ class SpecEngine:
         i = state.policy.select() if arm is None else int(arm)
         a = self.arms[i]
         ctx, remaining = state.ctx, state.remaining
-        keep_going = None if counterfactual else state.length.keep_going(i)
+        max_len = min(a.L, remaining - 1)
+        keep_going = None if counterfactual else state.length.keep_going(i, max_len=max_len, context=len(ctx))
         f0 = self._arm_target_forwards()
         t0 = self._clock()
-        draft = a.propose(ctx, min(a.L, remaining - 1), keep_going)
+        draft = a.propose(ctx, max_len, keep_going)
         t1 = self._clock()
         n = len(ctx)
         scored = self.target.score_tree(ctx[-1], draft) if draft.is_tree else self.target.score(ctx[-1], draft.tokens)
         t2 = self._clock()
+        self.cost.observe(len(draft) + 1, n, t2 - t1)
         outcome = self.verifier.verify(scored.logits, draft)
         t3 = self._clock()
         if counterfactual:
@@ -224,6 +245,7 @@ class SpecEngine:
         state.rounds.append(rec)
         state.policy.update(i, rec)
         state.length.update(len(draft), outcome, arm=i)
+        state.length.observe_round(rec)
         if live_feedback:
             self.scorer.observe_live(rec)
             features.setdefault(i, (len(draft), int(getattr(a, "last_match", 0))))

@@ -248,6 +248,7 @@ def evaluate(cfg: EvalConfig) -> int:
     peers = build_peers(cfg.peers, model, tok, sampling, eos, pad) if cfg.peers else []
     methods, labels = build_methods(engine, cfg.policies, length, cfg.seed, hf, peers)
     encoded = [encode_prompt(tok, p.text) for p in prompts]
+    compile_info = _compile(cfg, engine, peers, encoded)
 
     names = [m.name for m in methods]
     if header is not None and [m["name"] for m in header["methods"]] != names:
@@ -259,7 +260,7 @@ def evaluate(cfg: EvalConfig) -> int:
         header = {"format": FORMAT, "config": saved, "prompts": keys,
                   "methods": [{"name": m.name, "kind": m.kind} for m in methods], "arm_labels": labels,
                   "peer_settings": {p.name: getattr(p, "settings", {}) for p in peers},
-                  "environment": _environment(device)}
+                  "environment": _environment(device), "compile": compile_info}
     log = JsonlLog(cfg.records_path, keep_bytes=good_bytes if records else 0)
     try:
         if not records:
@@ -275,6 +276,22 @@ def evaluate(cfg: EvalConfig) -> int:
     if cfg.record_traces:
         _record_traces(cfg, methods, prompts, encoded, gen)
     return _finish(cfg, header, records)
+
+
+def _compile(cfg: EvalConfig, engine: SpecEngine, peers: list, encoded: list[list[int]]) -> dict:
+    """Pay every compilation before the first timed decode, and say what it cost: our target's graphs
+    (``engine.prepare``: one cache shape for the whole suite, every chain size), and each peer that compiles
+    (its first ``generate`` on the first prompt). Seconds by method name prefix: ``engine`` for ours."""
+    info = {}
+    described = engine.prepare([len(e) for e in encoded], cfg.max_new_tokens, show=not cfg.no_progress)
+    if described is not None:
+        info["engine"] = described
+    for peer in peers:
+        if getattr(peer, "compiles", False):
+            t0 = time.perf_counter()
+            peer.decode(encoded[0], 0, min(8, cfg.max_new_tokens))
+            info[peer.name] = {"seconds": round(time.perf_counter() - t0, 2)}
+    return info
 
 
 def _decode_all(cfg: EvalConfig, methods: list, prompts: list[Prompt], encoded: list[list[int]], hf, tok, gen,

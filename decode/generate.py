@@ -289,6 +289,10 @@ class Session:
         if self.warm:
             return
         n = min(8, self.args.max_new_tokens)
+        info = self.engine.prepare([len(ids)], self.args.max_new_tokens)  # compiles now, with --compile
+        if info is not None:
+            self.err.write(f"compiled {info['graphs']} target graph(s) in {info['seconds']:.0f} s "
+                           f"(cached on disk in {info['cache_dir']})\n")
         self.engine.generate(ids, Fixed(len(self.labels), self.engine.max_len), n)
         if self.args.compare_hf:
             hf_generate(self.model, ids, n, self.sampling, self.eos, self.pad)

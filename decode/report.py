@@ -23,6 +23,7 @@ from .io import atomic_write_json, atomic_write_text, read_jsonl_log
 HF = "hf"
 AR = "autoregressive"
 ORACLE = "oracle"
+ENGINE_KINDS = ("autoregressive", "arm", "policy")  # methods that decode through our engine (and its target)
 FORMAT = "adaspec-eval-records/1"
 SCHEMA = "adaspec-eval-report/2"  # report.json's fields, documented in docs/report_schema.md
 
@@ -143,19 +144,32 @@ def oracle_records(records: list[dict], arm_methods: list[str]) -> list[dict]:
     return out
 
 
+def compile_seconds(compile_info: dict | None, method: str, kind: str) -> float | None:
+    """Seconds a method's compilation took before the run (not part of its tokens/s): our engine's methods
+    share the compiled target (``compile_info["engine"]``), a compiling peer has its own entry; None when
+    the method compiled nothing."""
+    info = compile_info or {}
+    entry = info.get("engine") if kind in ENGINE_KINDS else info.get(method)
+    return None if entry is None else float(entry["seconds"])
+
+
 def markdown_table(summary: dict, cats: list[str], warnings: list[str] = ()) -> str:
     """Per category MAT / speed-up vs hf; overall MAT, speed-up vs hf and vs our autoregressive loop;
-    then the timing warnings, if any."""
+    compile seconds (paid once before the run, outside tokens/s) when anything compiled; then the timing
+    warnings, if any."""
+    compiled = any(s.get("compile_seconds") is not None for s in summary.values())
     head = ("| method | " + " | ".join(f"{c} MAT / ×hf" for c in cats)
-            + " | all MAT | × vs hf | × vs autoregressive | lossless vs hf |")
-    sep = "|" + "---|" * (len(cats) + 5)
+            + " | all MAT | × vs hf | × vs autoregressive | lossless vs hf |" + (" compile s |" if compiled else ""))
+    sep = "|" + "---|" * (len(cats) + 5 + compiled)
     rows = [head, sep]
     for m, s in summary.items():
         cells = [f"{s['per_category'][c]['mat']:.2f} / {s['per_category'][c]['speedup_vs_hf']:.2f}" for c in cats]
         ll = "—" if s["lossless"] is None else ("yes" if s["lossless"] else "NO")
         frac = f" ({s['fraction_of_oracle']['speedup']:.0%} of oracle)" if "fraction_of_oracle" in s else ""
+        secs = s.get("compile_seconds")
+        comp = (" — |" if secs is None else f" {secs:.0f} |") if compiled else ""
         rows.append(f"| {m} | " + " | ".join(cells)
-                    + f" | {s['mat']:.2f} | {s['speedup_vs_hf']:.2f}{frac} | {s['speedup']:.2f} | {ll} |")
+                    + f" | {s['mat']:.2f} | {s['speedup_vs_hf']:.2f}{frac} | {s['speedup']:.2f} | {ll} |" + comp)
     if warnings:
         rows += ["", "**Warning: these speed-ups may be meaningless:**", *(f"- {w}" for w in warnings)]
     return "\n".join(rows)
@@ -180,6 +194,9 @@ def build_report(header: dict, records: list[dict]) -> tuple[dict, str]:
     cfg = header["config"]
     greedy = float(cfg["temperature"]) == 0.0
     summary = summarize(recs, names + [ORACLE], header["arm_labels"], greedy)
+    kinds = {m["name"]: m["kind"] for m in header["methods"]} | {ORACLE: "arm"}
+    for m, s in summary.items():
+        s["compile_seconds"] = compile_seconds(header.get("compile"), m, kinds.get(m, ""))
     warnings = timing_warnings(recs, summary)
     if len(done) < len(prompts):
         warnings.insert(0, f"partial run: {len(done)} of {len(prompts)} prompts have every method's record; "
@@ -189,6 +206,8 @@ def build_report(header: dict, records: list[dict]) -> tuple[dict, str]:
     if header.get("peer_settings"):
         config["peer_settings"] = header["peer_settings"]
     config.update(header.get("environment", {}))
+    if header.get("compile"):
+        config["compile_info"] = header["compile"]
     report = {"schema_version": SCHEMA, "config": config, "complete": len(done) == len(prompts), "records": recs,
               "summary": summary, "warnings": warnings}
     return report, markdown_table(summary, cats, warnings)

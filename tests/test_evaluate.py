@@ -147,3 +147,24 @@ def test_each_method_learns_its_own_length_controller(tiny_target_dir, tmp_path,
     for pid in pids:
         assert by[("arm:pld@3", pid)]["drafted"] == by[("policy:fixed:arm=0", pid)]["drafted"], pid
     assert rep["summary"]["hf"]["mat"] == 1.0 and all(s["lossless"] for s in rep["summary"].values())
+
+
+def test_a_compiled_run_reports_compile_seconds_apart_from_speed(tiny_target_dir, tmp_path, one_thread):
+    """`--compile` with the cost-aware controller and the hf-static peer: compiling is paid before the first
+    timed decode and reported per method (a column in the table), every method stays lossless vs hf."""
+    from decode.cli import main
+    out = tmp_path / "r.json"
+    code = main(["eval", "--no-progress", "--target", tiny_target_dir, "--arms", "pld:L=2", "--compile",
+                 "--length", "cost", "--policies", "ucbspec", "--peers", "hf-static", "--max-new-tokens", "10",
+                 "--categories", "code,summarization", "--out", str(out)])
+    assert code == 0
+    rep = json.loads(out.read_text())
+    info = rep["config"]["compile_info"]
+    assert info["engine"]["graphs"] == 3 and info["engine"]["seconds"] > 0  # 1, 2, 3 scored positions
+    assert info["hf-static"]["seconds"] > 0
+    s = rep["summary"]
+    assert s["arm:pld@2"]["compile_seconds"] == s["autoregressive"]["compile_seconds"] == info["engine"]["seconds"]
+    assert s["hf-static"]["compile_seconds"] == info["hf-static"]["seconds"] and s["hf"]["compile_seconds"] is None
+    assert all(v["lossless"] for v in s.values())
+    table = (tmp_path / "r.md").read_text() if (tmp_path / "r.md").exists() else ""
+    assert "compile s" in ev.markdown_table(s, ["code", "summarization"]) and ("compile s" in table or not table)
