@@ -11,6 +11,9 @@ draft_time, verify_time, wall_time, stopped_by, token_ids; peers add ``rounds_ex
   ``hf-pld:L=10,n=2``
       transformers prompt lookup: ``prompt_lookup_num_tokens=L`` (L >= 1, default 10 as in
       transformers), ``max_matching_ngram_size=n`` (n >= 1; unset = transformers' default 2).
+  ``hf-static`` (``compile=true``)
+      plain ``generate`` with a static cache and transformers' compiled decoding forward
+      (:class:`StaticCachePeer`): the non-speculative baseline a savvy user would pick.
   ``hf-assisted:path=DIR,L=..,schedule=dsl``
       transformers assisted generation with one of our drafters (an HF causal LM folder with the
       target's vocabulary, checked, loaded on the target's device and dtype).
@@ -214,6 +217,7 @@ class PeerMethod:
 
     kind = "peer"
     count_full_layers_only = False
+    compiles = False  # its first call compiles (the evaluation pays and reports that before timing)
 
     def __init__(self, name: str, ctx: PeerContext):
         self.name, self.ctx = name, ctx
@@ -256,6 +260,36 @@ class PromptLookupPeer(PeerMethod):
 
     def generate_kwargs(self):
         return dict(self._kwargs)
+
+
+class StaticCachePeer(PeerMethod):
+    """``hf-static``: what a savvy transformers user runs without speculation — ``generate`` with
+    ``cache_implementation="static"`` and its decoding forward compiled (transformers' own auto-compile:
+    ``CompileConfig``, ``dynamic=False``; CUDA graphs on a GPU, inductor's default mode on a CPU, where
+    transformers compiles only when told to: ``_compile_all_devices``). transformers keeps the largest
+    cache it allocated, so later prompts do not recompile. Speculation has to beat this, not only plain
+    ``generate``. ``compile=false`` keeps the static cache and runs it eagerly."""
+
+    def __init__(self, name, ctx, compile: bool):
+        super().__init__(name, ctx)
+        self.compiles = compile
+        self.settings = {"cache_implementation": "static", "compile": compile}
+
+    def generate_kwargs(self):
+        from transformers import CompileConfig
+
+        kwargs = {"cache_implementation": "static"}
+        if self.compiles:
+            from .compiled import inductor_cache_dir
+
+            inductor_cache_dir()  # the same on-disk cache as our compiled target
+            cuda = self.ctx.model.device.type == "cuda"
+            cfg = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if cuda else "default")
+            cfg._compile_all_devices = True
+            kwargs["compile_config"] = cfg
+        else:
+            kwargs["disable_compile"] = True
+        return kwargs
 
 
 SCHEDULES = ("dsl", "heuristic", "constant")
@@ -377,6 +411,11 @@ PEERS = Registry("peer", hint=" (e.g. --peers 'hf-pld:L=4;hf-early-exit:layers=4
 def _hf_pld(ctx: PeerContext, name: str, L: Annotated[int, Range(1)] = 10,
             n: Annotated[int, Range(1)] | None = None):
     return PromptLookupPeer(name, ctx, L, n)
+
+
+@PEERS.register("hf-static")
+def _hf_static(ctx: PeerContext, name: str, compile: bool = True):
+    return StaticCachePeer(name, ctx, compile)
 
 
 @PEERS.register("hf-assisted")

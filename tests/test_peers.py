@@ -157,7 +157,7 @@ def test_every_spec_is_checked_before_a_drafter_loads(tiny, tiny_drafter_dir, mo
         P.build_peers([f"hf-assisted:path={tiny_drafter_dir}", "hf-pld:L=0"], model, tok, GREEDY, [], 0)
     with pytest.raises(UserError, match="duplicates"):
         P.build_peers([f"hf-assisted:path={tiny_drafter_dir}", "hf-pld:L=4", "hf-pld: L=4"], model, tok, GREEDY, [], 0)
-    assert P.peer_names() == ["hf-assisted", "hf-early-exit", "hf-pld"]
+    assert P.peer_names() == ["hf-assisted", "hf-early-exit", "hf-pld", "hf-static"]
 
 
 def test_hf_assisted_refuses_a_drafter_with_another_vocabulary(tiny, tmp_path):
@@ -187,3 +187,18 @@ def test_peers_on_the_default_target(smol, tiny_drafter_dir, one_thread):
         _check_record(r, ref)
         if p is pld:
             assert r["new_tokens"] / r["rounds"] > 1.5
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_hf_static_equals_plain_generate(tiny, one_thread, compile):
+    """The savvy-user baseline: a static cache (compiled or eager) changes the speed, never the tokens."""
+    model, tok = tiny
+    ids = encode_prompt(tok, COPY_PROMPT)
+    ref = P.HFMethod(model, GREEDY, _eos(tok), 0).decode(ids, 0, 20)
+    peer = P.build_peers([f"hf-static:compile={str(compile).lower()}"], model, tok, GREEDY, _eos(tok), 0)[0]
+    assert peer.compiles is compile and peer.settings == {"cache_implementation": "static", "compile": compile}
+    first = peer.decode(ids, 0, 20)
+    assert first["token_ids"] == ref["token_ids"] and first["stopped_by"] == ref["stopped_by"]
+    # a shorter prompt reuses the (larger) cache transformers kept: same tokens again
+    short = ids[: len(ids) // 2]
+    assert peer.decode(short, 1, 20)["token_ids"] == P.HFMethod(model, GREEDY, _eos(tok), 0).decode(short, 1, 20)["token_ids"]
