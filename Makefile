@@ -74,3 +74,11 @@ BUDGET ?= small
 .PHONY: pool
 pool: $(STAMP)
 	$(PY) -m toolkit pool --budget $(BUDGET) $(if $(TARGET),--target $(TARGET))
+
+# The EAGLE head the repository ships (pretrained/<target>/eagle, used by `make demo`): the small pool's
+# distill + EAGLE stages, then `toolkit ship` (float16 weights, run record, top-1 check against float32).
+.PHONY: pretrained
+pretrained: $(STAMP)
+	$(PY) -m toolkit pool --budget small --stop-after train:eagle
+	$(PY) -m toolkit ship runs/pools/smollm2-135m-instruct-small/heads/eagle \
+		--out pretrained/smollm2-135m-instruct/eagle --command "make pretrained" --force

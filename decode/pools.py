@@ -9,7 +9,9 @@ Format::
       - {name: code, path: runs/drafters/cpu-small/code/export, L: 5}
     arms: [pld:L=4, suffix:L=6]       # any other arm specs, as for --arms
 
-Relative drafter paths are resolved against the repository root first, then the working directory.
+Relative paths — a drafter's ``path`` and the ``path=`` of an arm spec (``eagle:path=pretrained/...,L=2``) —
+are resolved against the repository root first, then the working directory, so a pool file works from any
+directory.
 """
 from __future__ import annotations
 
@@ -113,9 +115,16 @@ def load_pool(path: str | Path) -> list[str]:
     for i, spec in enumerate(arms):
         if not isinstance(spec, str):
             raise UserError(f"pool {p}: arms[{i}] must be an arm spec string like 'pld:L=4', got {spec!r}")
-        name, _ = parse_spec(spec)
+        name, params = parse_spec(spec)
         if name not in known:
             raise UserError(f"pool {p}: arms[{i}] '{spec}': unknown arm '{name}'; known arms: {', '.join(sorted(known))}")
+        if "path" in params:
+            folder = _resolve(params["path"])
+            if folder is None:
+                raise UserError(f"pool {p}: arms[{i}] '{spec}': path {params['path']} does not exist (relative "
+                                f"paths are looked up under {REPO_ROOT} and the working directory)")
+            params["path"] = str(folder)
+            spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in params.items())
         specs.append(spec.strip())
     if not specs:
         raise UserError(f"pool {p} names no drafters and no arms; add entries under 'drafters' or 'arms'")
