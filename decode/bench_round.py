@@ -28,6 +28,7 @@ from .engine import Generation, build_engine
 from .draft_cost import draft_token_cost
 from .errors import UserError
 from .io import atomic_write_json, atomic_write_text
+from .linear import LINEAR_KINDS, resolve_linear
 from .models import DEFAULT_TARGET, load_model
 from .policies.simple import Fixed
 from .sampling import SamplingConfig
@@ -60,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--compile, dynamic on a CPU; 'both' compares them side by side (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's verification forward (needs --cache static)")
+    p.add_argument("--linear", choices=LINEAR_KINDS, default="auto",
+                   help="the target's linear layers: onednn (pre-packed, CPU), stock, or auto (default: onednn on a CPU)")
     p.add_argument("--out", help="also write the breakdown as JSON here (the table beside it as .md)")
     p.add_argument("--no-progress", action="store_true")
 
@@ -115,6 +118,7 @@ def run(args) -> int:
         raise UserError("--compile needs --cache static (a dynamic cache changes shape every round)")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    linear = resolve_linear(args.linear, device, dtype)
     prompts = load_jsonl_suite(args.suite) if args.suite else list(BUILTIN)
     cats = None if args.categories is None else [c.strip() for c in args.categories.split(",") if c.strip()]
     prompts = select(prompts, cats, args.limit)
@@ -127,7 +131,8 @@ def run(args) -> int:
     gen = torch.Generator().manual_seed(0)
     cache = auto_cache_kind(device, args.compile) if args.cache == "auto" else args.cache
     caches = CACHE_KINDS if cache == "both" else (cache,)
-    engines = {c: build_engine(model, tok, specs, sampling, gen, cache=c, compile=args.compile, verifier=args.verifier,
+    engines = {c: build_engine(model, tok, specs, sampling, gen, cache=c, compile=args.compile, linear=linear,
+                               verifier=args.verifier,
                                target_name=args.target, trust_remote_code=args.trust_remote_code) for c in caches}
     labels = [a.label for a in next(iter(engines.values())).arms]
     encoded = [encode_prompt(tok, p.text) for p in prompts]
@@ -164,12 +169,12 @@ def run(args) -> int:
     compiled = (f" + compile ({sum(i['seconds'] for i in compile_info.values() if i):.0f} s of compiling before the "
                 f"run)" if args.compile else "")
     print(f"\n{len(encoded)} prompt(s) x {args.max_new_tokens} new tokens, {device}/{dtype_name(dtype)}, "
-          f"{torch.get_num_threads()} thread(s), {'static and dynamic' if both else cache} cache{compiled}; outside = verify + rollback + "
+          f"{torch.get_num_threads()} thread(s), {'static and dynamic' if both else cache} cache, {linear} linears{compiled}; outside = verify + rollback + "
           "bookkeeping + other (draft includes model-free lookups)")
     if out is not None:
         report = {"config": {k: v for k, v in vars(args).items() if k != "func"} | {
                       "arm_specs": specs, "arm_labels": labels, "device": str(device), "dtype": dtype_name(dtype),
-                      "threads": torch.get_num_threads(),
+                      "linear": linear, "threads": torch.get_num_threads(),
                       "step_time": {c: e.step_time for c, e in engines.items()}, "compile": compile_info,
                       "torch": torch.__version__,
                       "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")},

@@ -21,6 +21,7 @@ from .cost import CostCurve, probe
 from .device import synchronize
 from .draft import RoundRecord, StepResult, StepTimes
 from .errors import UserError
+from .linear import linear_model, pack_arm_linears
 from .feedback import CounterfactualScorer, PendingRound
 from .length import LengthController
 from .models import eos_token_ids
@@ -297,14 +298,20 @@ class SpecEngine:
 
 
 def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfig, generator: torch.Generator, *,
-                 cache: str, compile: bool = False, verifier: str = "auto", target_name: str = "target",
-                 trust_remote_code: bool = False, needs_hidden: bool = False) -> SpecEngine:
-    """The engine a command decodes with: the target wrapper (``cache`` kind, optionally compiled), the arm
-    pool built from ``arm_specs`` (arms that own a cache use the same kind), the verifier and the EOS ids.
+                 cache: str, compile: bool = False, linear: str = "stock", verifier: str = "auto",
+                 target_name: str = "target", trust_remote_code: bool = False, needs_hidden: bool = False) -> SpecEngine:
+    """The engine a command decodes with: the target wrapper (``cache`` kind, optionally compiled, its linear
+    layers run as ``linear``: a resolved kind of decode/linear.py), the arm pool built from ``arm_specs``
+    (arms that own a cache use the same kind), the verifier and the EOS ids. ``model`` itself is not modified:
+    the hf reference keeps running it, and arms that copy or load weights into target modules (EAGLE's layer,
+    early-exit stacks) build on it, never on packed weights that a later ``load_state_dict`` would not reach.
     The target returns hidden states when an arm or ``needs_hidden`` (a length controller) reads them."""
-    target = Target(model, tokenizer, want_hidden=False, cache=cache, compile=compile)
+    target = Target(linear_model(model, linear), tokenizer, want_hidden=False, cache=cache, compile=compile)
+    target.linear = linear
     env = ArmEnv(model, tokenizer, sampling, generator, target_name=target_name,
                  trust_remote_code=trust_remote_code, target=target, cache=cache)
     arms = build_arms(arm_specs, env)
+    if linear == "onednn":
+        pack_arm_linears(arms, model)
     target.want_hidden = needs_hidden or any(a.uses_target_hidden for a in arms)
     return SpecEngine(target, arms, Verifier(sampling, verifier, generator), eos_token_ids(model, tokenizer))

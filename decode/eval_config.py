@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .errors import UserError
+from .linear import LINEAR_KINDS, resolve_linear
 from .models import DEFAULT_TARGET
 from .specs import parse_spec, split_specs
 
@@ -73,6 +74,10 @@ def add_decoding_arguments(p) -> None:
                         "--compile, dynamic on a CPU, where static measured 7%% slower)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's verification forward (needs the static cache)")
+    p.add_argument("--linear", choices=LINEAR_KINDS, default="auto",
+                   help="how the target's linear layers run in our engine: onednn (weights pre-packed once; on a CPU "
+                        "1-8 positions then cost nearly one step), stock (torch.nn.Linear), or auto (default: onednn on "
+                        "a CPU for float32/bfloat16, else stock). The hf reference and peers always run stock")
 
 
 def _refuse_duplicates(flag: str, specs: list[str]) -> None:
@@ -128,6 +133,7 @@ class EvalConfig:
     dtype: str = "float32"  # resolved (auto → bfloat16 on CUDA, float32 on CPU)
     cache: str = "static"  # dynamic | static
     compile: bool = False
+    linear: str = "stock"  # resolved (auto → onednn on a CPU, stock elsewhere): decode/linear.py
     # outputs and presentation (NOT_RESULTS)
     out: str = "runs/eval/report.json"
     record_traces: str | None = None
@@ -143,7 +149,7 @@ class EvalConfig:
         from .device import dtype_name, resolve_device, resolve_dtype
         a = vars(args)
         cfg = cls(**{f.name: a[f.name] for f in fields(cls) if f.name in a and f.name not in
-                     ("categories", "arms", "policies", "peers", "device", "dtype", "cache")})
+                     ("categories", "arms", "policies", "peers", "device", "dtype", "cache", "linear")})
         cfg.check_ranges()
         cfg.check_outputs()
         if a.get("categories") is not None:
@@ -158,7 +164,9 @@ class EvalConfig:
         cfg.peers = parse_peer_specs(a.get("peers") or "")
         device = resolve_device(a.get("device") or "auto")
         cfg.device = str(device)
-        cfg.dtype = dtype_name(resolve_dtype(a.get("dtype") or "auto", device))
+        dtype = resolve_dtype(a.get("dtype") or "auto", device)
+        cfg.dtype = dtype_name(dtype)
+        cfg.linear = resolve_linear(a.get("linear") or "auto", device, dtype)
         cfg.cache = resolve_cache(a.get("cache"), device, cfg.compile)
         if cfg.compile and cfg.cache != "static":
             raise UserError("--compile needs --cache static (a dynamic cache changes shape every round)")

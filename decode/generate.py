@@ -25,6 +25,7 @@ from .engine import Generation, build_engine
 from .errors import UserError
 from .eval_config import MAX_SEED, EvalConfig, add_decoding_arguments, resolve_cache
 from .length import build_length
+from .linear import resolve_linear
 from .models import DEFAULT_TARGET, eos_token_ids, load_model, pad_token_id
 from .peers import hf_generate
 from .policies import build_policy
@@ -259,15 +260,16 @@ class Session:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         cache = resolve_cache(args.cache, device, args.compile)  # --compile with dynamic refused in check_args
+        linear = resolve_linear(args.linear, device, dtype)
         self.length = build_length(args.length, args.seed)
         if args.threads:
             torch.set_num_threads(args.threads)
-        err.write(f"loading {args.target} ({device}, {dtype_name(dtype)}, {cache} cache)…\n")
+        err.write(f"loading {args.target} ({device}, {dtype_name(dtype)}, {cache} cache, {linear} linears)…\n")
         torch.manual_seed(args.seed)
         model, tok = load_model(args.target, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
         self.gen = torch.Generator().manual_seed(args.seed)
         self.engine = build_engine(model, tok, specs, sampling, self.gen, cache=cache, compile=args.compile,
-                                   verifier=args.verifier, target_name=args.target,
+                                   linear=linear, verifier=args.verifier, target_name=args.target,
                                    trust_remote_code=args.trust_remote_code,
                                    needs_hidden=self.length.needs_target_hidden)
         arms = self.engine.arms

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
+from ..linear import packed_linear
 from ..vocab import DraftVocab
 from ..target import check_hidden_layers
 from .common import DraftVocabMixin, Head, base_model, build_stack, clone_layer, sub_config
@@ -179,6 +180,9 @@ class EagleHead(DraftVocabMixin, Head):
             features = self.norm(features)
         if self.draft_vocab is None:
             return self.lm_head(features)
+        packed = getattr(self, "draft_weight_packed", None)  # set by decode/linear.py pack_arm_linears
+        if packed is not None and not torch.is_grad_enabled() and features.dtype == self.draft_weight.dtype:
+            return packed_linear(features, packed, self.draft_bias)
         return F.linear(features, self.draft_weight.to(features.dtype),
                         None if self.draft_bias is None else self.draft_bias.to(features.dtype))
 

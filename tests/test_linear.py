@@ -1,0 +1,96 @@
+"""decode/linear.py: the target's linears packed once for oneDNN — the stock model is untouched and shares
+every weight, outputs match ``nn.Linear`` to float32 rounding, greedy decoding through packed target and arms
+equals plain greedy decoding, and ``--linear`` resolves or refuses with the reason."""
+import pytest
+import torch
+
+from decode.arms import ArmEnv, build_arm
+from decode.arms.eagle import EagleArm
+from decode.engine import SpecEngine, build_engine
+from decode.errors import UserError
+from decode.heads import EagleHead
+from decode.linear import (PackedLinear, onednn_linear, onednn_usable, pack_arm_linears, pack_linears,
+                           resolve_linear)
+from decode.policies import build_policy
+from decode.sampling import SamplingConfig
+from decode.target import Target
+from decode.verify import Verifier
+from decode.vocab import DraftVocab
+from helpers import plain_greedy, tiny_llama
+
+GREEDY = SamplingConfig()
+PROMPTS = [[1, 5, 9, 2, 5, 9, 2, 5], [3, 3, 7, 1, 8, 2, 8, 2, 8, 4, 6]]
+pytestmark = pytest.mark.skipif(onednn_usable("cpu", torch.float32) is not None,
+                                reason=f"oneDNN unusable here: {onednn_usable('cpu', torch.float32)}")
+
+
+def test_packed_copy_shares_weights_leaves_the_stock_model_alone_and_matches_it():
+    model = tiny_llama(layers=2, seed=1)
+    fast = pack_linears(model)
+    stock_linears = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    packed = [n for n, m in fast.named_modules() if isinstance(m, PackedLinear)]
+    assert stock_linears and packed == stock_linears  # every linear, and the stock model still has its own
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    for (n, p), (n2, q) in zip(model.named_parameters(), fast.named_parameters()):
+        assert n == n2 and p.data_ptr() == q.data_ptr(), n  # shared, not copied
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        a, b = model(ids).logits, fast(ids).logits
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4) and not torch.equal(a, torch.zeros_like(a))
+    assert fast.get_output_embeddings().weight is model.get_output_embeddings().weight
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_through_packed_target_and_eagle_equals_plain_greedy(cache):
+    model = tiny_llama(layers=2, seed=2)
+    V = model.config.vocab_size
+    head = EagleHead(model, draft_vocab=DraftVocab(torch.arange(0, V, 2), V, {"coverage": 0.5}))
+    target = Target(pack_linears(model), want_hidden=True, cache=cache)
+    arms = [EagleArm(head, model, GREEDY, L=4, cache=cache, target=target),
+            build_arm("pld:L=3", ArmEnv(model, None, GREEDY))]
+    n = pack_arm_linears(arms, model)
+    assert n == 8 and isinstance(head.fc, PackedLinear) and head.draft_weight_packed is not None
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())  # the stock target is untouched
+    eng = SpecEngine(target, arms, Verifier(GREEDY))
+    for prompt in PROMPTS:
+        gen = eng.generate(prompt, build_policy("random", len(arms), eng.max_len, seed=0), 30)
+        assert gen.tokens == plain_greedy(model, prompt, 30)
+    with torch.no_grad():  # the packed draft projection equals the float32 one it replaces
+        x = torch.randn(3, model.config.hidden_size)
+        packed = head.logits(x)
+        head.draft_weight_packed = None
+        assert torch.allclose(packed, head.logits(x), atol=1e-4, rtol=1e-4)
+
+
+def test_build_engine_packs_only_its_own_copy(tiny_target_dir):
+    from decode.models import load_model
+    model, tok = load_model(tiny_target_dir)
+    eng = build_engine(model, tok, ["pld:L=2"], GREEDY, torch.Generator(), cache="dynamic", linear="onednn")
+    assert eng.target.linear == "onednn" and eng.target.model is not model
+    assert isinstance(eng.target.model.get_output_embeddings(), PackedLinear)
+    assert type(model.get_output_embeddings()) is torch.nn.Linear
+    ids = tok("def add(a, b):").input_ids
+    assert eng.generate(ids, build_policy("fixed:arm=0", 1, eng.max_len), 12).tokens == plain_greedy(model, ids, 12)
+
+
+def test_compiled_graph_calls_the_packed_op():
+    lin = torch.nn.Linear(16, 24)
+    packed = PackedLinear(lin)
+    x = torch.randn(3, 16)
+    compiled = torch.compile(packed, dynamic=False)
+    with torch.no_grad():
+        assert torch.allclose(compiled(x), lin(x), atol=1e-5)
+        assert torch.allclose(onednn_linear(x, lin.weight, lin.bias, packed.key), lin(x), atol=1e-5)
+
+
+def test_resolve_linear_picks_or_refuses_with_the_reason():
+    assert resolve_linear("auto", "cpu", torch.float32) == "onednn"
+    assert resolve_linear("stock", "cpu", torch.float32) == "stock"
+    assert resolve_linear("auto", "cpu", torch.float16) == "stock"  # not packable: the stock path, recorded as such
+    with pytest.raises(UserError, match="dtype float16.*--linear stock"):
+        resolve_linear("onednn", "cpu", torch.float16)
+    with pytest.raises(UserError, match="on cuda"):
+        resolve_linear("onednn", "cuda", torch.bfloat16)
+    assert resolve_linear("auto", "cuda", torch.bfloat16) == "stock"
+    with pytest.raises(UserError, match="--linear must be one of auto, onednn, stock"):
+        resolve_linear("fast", "cpu", torch.float32)
