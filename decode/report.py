@@ -84,6 +84,17 @@ def _speedups(s: dict, ar: dict, hf: dict) -> dict:
     return s
 
 
+def draft_lengths(records: list[dict]) -> dict:
+    """``{arm label: {drafted length: rounds}}`` over the rounds of ``records`` (what a length controller
+    chose, per arm; lengths as strings, ascending). Empty for methods that play no arm (hf, peers)."""
+    counts: dict[str, dict[int, int]] = {}
+    for r in records:
+        for arm, n in zip(r.get("arms") or [], r.get("drafted") or []):
+            counts.setdefault(arm, {})
+            counts[arm][n] = counts[arm].get(n, 0) + 1
+    return {a: {str(n): c[n] for n in sorted(c)} for a, c in counts.items()}
+
+
 def summarize(records: list[dict], method_names: list[str], labels: list[str], greedy: bool) -> dict:
     """Per method: MAT, tokens/s, ``speedup`` (vs our autoregressive loop), ``speedup_vs_hf``,
     ``lossless`` (greedy: token ids equal hf's on every prompt; None when sampling), per category."""
@@ -105,6 +116,9 @@ def summarize(records: list[dict], method_names: list[str], labels: list[str], g
         if m.startswith("policy:") or m == ORACLE:
             played = [a for r in recs for a in r["arms"]]
             s["arm_pulls"] = {lab: played.count(lab) for lab in labels}
+        lengths = draft_lengths(recs)
+        if lengths:
+            s["draft_lengths"] = lengths
         summary[m] = s
     if ORACLE in summary:
         o = summary[ORACLE]

@@ -51,12 +51,15 @@ def test_git_state_outside_a_checkout_is_unknown(tmp_path):
 
 # ---- the schema document ---------------------------------------------------------------------------------
 
-DYNAMIC = {"summary": "<method>", "per_category": "<category>", "arm_pulls": "<arm>", "peer_settings": "<peer>"}
+DYNAMIC = {"summary": "<method>", "per_category": "<category>", "arm_pulls": "<arm>", "peer_settings": "<peer>",
+           "draft_lengths": "<arm>"}
+FREE_FORM = ("config.peer_settings.<peer>", "summary.<method>.draft_lengths.<arm>")
 
 
 def field_paths(obj, prefix="", placeholder=None, out=None) -> set[str]:
     """Every field of a report as the schema names it (``records[].x``, ``summary.<method>.mat``): the keys
-    under a DYNAMIC field become its placeholder; a peer's settings are free-form, so not descended."""
+    under a DYNAMIC field become its placeholder; a peer's settings and a length histogram are free-form, so
+    not descended."""
     out = set() if out is None else out
     if isinstance(obj, list):
         for x in obj:
@@ -65,7 +68,7 @@ def field_paths(obj, prefix="", placeholder=None, out=None) -> set[str]:
         for k, v in obj.items():
             path = f"{prefix}.{placeholder or k}" if prefix else k
             out.add(path)
-            if path != "config.peer_settings.<peer>":
+            if path not in FREE_FORM:
                 field_paths(v, path, DYNAMIC.get(k) if placeholder is None else None, out)
     return out
 
