@@ -112,7 +112,19 @@ class EngineMethod:
         return policy
 
     def decode(self, ids: list[int], pi: int, max_new_tokens: int) -> dict:
+        take_plans = getattr(self.length, "take_plans", None)
+        if take_plans is not None:
+            take_plans()  # forget an earlier (warm-up) decode's plans
         g: Generation = self.engine.generate(ids, self._policy(pi), max_new_tokens, length=self.length)
+        record = self._record(g)
+        if take_plans is not None and g.rounds:  # the cost controller: what it expected vs what the rounds gave
+            plans = take_plans()
+            record["cost_plan"] = {"expected_tokens": sum(e for e, _ in plans),
+                                   "expected_cost_steps": sum(c for _, c in plans),
+                                   "cost_steps": sum(r.time / r.step_time for r in g.rounds if r.step_time > 0)}
+        return record
+
+    def _record(self, g: Generation) -> dict:
         return {"new_tokens": len(g.tokens), "rounds": g.target_forwards,
                 "accept_lengths": [r.accepted for r in g.rounds], "drafted": [r.drafted for r in g.rounds],
                 "arms": [self.labels[r.arm] for r in g.rounds] if self.kind != "autoregressive" else [],

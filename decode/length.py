@@ -231,6 +231,7 @@ class CostAware(LengthController):
         self.draft_cost: dict[int, float] = {}  # arm -> drafted token in steps (running mean)
         self.draft_rounds: dict[int, int] = {}
         self.plans: dict[int, list[tuple[int, float, float]]] = {}  # arm -> [(k*, E[tokens], cost)]
+        self.pending: list[tuple[float, float]] = []  # (E[tokens], cost) of the rounds since take_plans()
 
     def use_cost(self, curve) -> None:
         self.curve = curve
@@ -256,7 +257,14 @@ class CostAware(LengthController):
     def keep_going(self, arm=0, *, max_len=None, context=0):
         k, expected, cost = self.plan(arm, max_len or 1, context)
         self.plans.setdefault(arm, []).append((k, expected, cost))
+        self.pending.append((expected, cost))
         return lambda i, row=None, hidden=None: i < k
+
+    def take_plans(self) -> list[tuple[float, float]]:
+        """(E[tokens], planned cost in steps) of every round planned since the last call, then forgets them:
+        what a report sets against the tokens and cost the rounds realised."""
+        out, self.pending = self.pending, []
+        return out
 
     def update(self, drafted, outcome, arm=0):
         if drafted <= 0:

@@ -95,6 +95,14 @@ def draft_lengths(records: list[dict]) -> dict:
     return {a: {str(n): c[n] for n in sorted(c)} for a, c in counts.items()}
 
 
+def cost_plan_summary(plans: list[dict], tokens: int) -> dict:
+    """The cost controller's expected tokens per step of cost (what its plans promised) beside the realised
+    ones (tokens emitted / the rounds' measured draft + verification time in one-token steps)."""
+    exp_cost, cost = sum(p["expected_cost_steps"] for p in plans), sum(p["cost_steps"] for p in plans)
+    return {"expected_tokens_per_step": sum(p["expected_tokens"] for p in plans) / exp_cost if exp_cost else 0.0,
+            "realised_tokens_per_step": tokens / cost if cost else 0.0}
+
+
 def summarize(records: list[dict], method_names: list[str], labels: list[str], greedy: bool) -> dict:
     """Per method: MAT, tokens/s, ``speedup`` (vs our autoregressive loop), ``speedup_vs_hf``,
     ``lossless`` (greedy: token ids equal hf's on every prompt; None when sampling), per category."""
@@ -119,6 +127,9 @@ def summarize(records: list[dict], method_names: list[str], labels: list[str], g
         lengths = draft_lengths(recs)
         if lengths:
             s["draft_lengths"] = lengths
+        plans = [r["cost_plan"] for r in recs if r.get("cost_plan")]
+        if plans:
+            s["cost_plan"] = cost_plan_summary(plans, sum(r["new_tokens"] for r in recs if r.get("cost_plan")))
         summary[m] = s
     if ORACLE in summary:
         o = summary[ORACLE]

@@ -166,5 +166,12 @@ def test_a_compiled_run_reports_compile_seconds_apart_from_speed(tiny_target_dir
     assert s["arm:pld@2"]["compile_seconds"] == s["autoregressive"]["compile_seconds"] == info["engine"]["seconds"]
     assert s["hf-static"]["compile_seconds"] == info["hf-static"]["seconds"] and s["hf"]["compile_seconds"] is None
     assert all(v["lossless"] for v in s.values())
+    # the cost controller's plans against what the rounds realised, per record and per method
+    plan = s["arm:pld@2"]["cost_plan"]
+    assert plan["expected_tokens_per_step"] > 0 and plan["realised_tokens_per_step"] > 0
+    recs = [r for r in rep["records"] if r["method"] == "arm:pld@2"]
+    assert all(r["cost_plan"]["expected_tokens"] >= len(r["drafted"]) for r in recs)  # ≥ 1 token per round
+    assert "cost_plan" not in s["autoregressive"] and "cost_plan" not in s["hf"]
+    assert set(s["arm:pld@2"]["draft_lengths"]) == {"pld@2"}
     table = (tmp_path / "r.md").read_text() if (tmp_path / "r.md").exists() else ""
     assert "compile s" in ev.markdown_table(s, ["code", "summarization"]) and ("compile s" in table or not table)
