@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -28,9 +29,11 @@ from .engine import Generation, build_engine
 from .draft_cost import draft_token_cost
 from .errors import UserError
 from .io import atomic_write_json, atomic_write_text
+from .length import build_length
 from .linear import LINEAR_KINDS, resolve_linear
 from .models import DEFAULT_TARGET, load_model
 from .policies.simple import Fixed
+from .report import cost_plan_summary
 from .sampling import SamplingConfig
 from .specs import split_specs
 from .suites import BUILTIN, encode_prompt, load_jsonl_suite, select
@@ -63,12 +66,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile the target's verification forward (needs --cache static)")
     p.add_argument("--linear", choices=LINEAR_KINDS, default="auto",
                    help="the target's linear layers: onednn (pre-packed, CPU), stock, or auto (default: onednn on a CPU)")
+    p.add_argument("--length", default="fixed",
+                   help="draft-length controller per arm (as for `decode eval --length`, e.g. cost): the table then "
+                        "shows the lengths it chose and, for cost, its expected vs realised tokens per step")
     p.add_argument("--out", help="also write the breakdown as JSON here (the table beside it as .md)")
     p.add_argument("--no-progress", action="store_true")
 
 
-def breakdown(gens: list[Generation]) -> dict:
-    """One arm's generations → rounds, tokens, ms per round and % of a round for every phase."""
+def breakdown(gens: list[Generation], plans: list[tuple[float, float]] = ()) -> dict:
+    """One arm's generations → rounds, tokens, ms per round and % of a round for every phase, the drafted
+    lengths, and with a cost controller's ``plans`` ((E[tokens], planned cost) per round) its expected vs
+    realised tokens per step of cost."""
     rounds = sum(len(g.rounds) for g in gens)
     if rounds == 0:
         raise UserError("no rounds were decoded; nothing to break down")
@@ -88,20 +96,35 @@ def breakdown(gens: list[Generation]) -> dict:
         "phases": {k: {"ms_per_round": 1000 * v / rounds, "percent": 100 * v / loop if loop > 0 else 0.0}
                    for k, v in secs.items()},
         "outside_percent": 100 * sum(secs[k] for k in OUTSIDE) / loop if loop > 0 else 0.0,
+        "draft_lengths": {str(n): c for n, c in sorted(Counter(r.drafted for g in gens for r in g.rounds).items())},
+        **({"cost_plan": cost_plan_summary(
+            [{"expected_tokens": sum(e for e, _ in plans), "expected_cost_steps": sum(c for _, c in plans),
+              "cost_steps": sum(r.time / r.step_time for g in gens for r in g.rounds if r.step_time > 0)}],
+            tokens)} if plans else {}),
     }
 
 
 def markdown_table(arms: dict[str, dict]) -> str:
     head = ("| arm | rounds | tokens/round | round ms | " + " | ".join(f"{t} ms (%)" for _, t in PHASES)
-            + " | outside fwd+draft | drafted token (× step) |")
-    rows = [head, "|" + "---|" * (len(PHASES) + 6)]
+            + " | outside fwd+draft | drafted token (× step) | drafted lengths (rounds) |")
+    rows = [head, "|" + "---|" * (len(PHASES) + 7)]
     for label, b in arms.items():
         cells = [f"{b['phases'][k]['ms_per_round']:.3f} ({b['phases'][k]['percent']:.1f}%)" for k, _ in PHASES]
         c = b.get("draft_cost")
         cost = f"{c['draft_ms_per_token']:.3f} ms ({c['fraction']:.3f})" if c else "—"
         rows.append(f"| {label} | {b['rounds']} | {b['tokens_per_round']:.2f} | {b['round_ms']:.3f} | "
-                    + " | ".join(cells) + f" | {b['outside_percent']:.1f}% | {cost} |")
+                    + " | ".join(cells) + f" | {b['outside_percent']:.1f}% | {cost} | {_lengths(b)} |")
     return "\n".join(rows)
+
+
+def _lengths(b: dict) -> str:
+    """``2:40 4:100`` (length:rounds), then a cost controller's expected → realised tokens per step."""
+    text = " ".join(f"{n}:{c}" for n, c in b["draft_lengths"].items())
+    plan = b.get("cost_plan")
+    if plan:
+        text += (f"; tokens/step expected {plan['expected_tokens_per_step']:.2f} → realised "
+                 f"{plan['realised_tokens_per_step']:.2f}")
+    return text
 
 
 def run(args) -> int:
@@ -114,6 +137,7 @@ def run(args) -> int:
     specs = split_specs(args.arms or "")
     if not specs:
         raise UserError("no arms: pass --arms (e.g. 'pld:L=4;suffix:L=6;none')")
+    probe_length = build_length(args.length, 0)  # a bad --length spec fails here, before the model loads
     if args.compile and args.cache not in ("static", "auto"):  # also refuses 'both': compile would favour one side
         raise UserError("--compile needs --cache static (a dynamic cache changes shape every round)")
     device = resolve_device(args.device)
@@ -133,7 +157,8 @@ def run(args) -> int:
     caches = CACHE_KINDS if cache == "both" else (cache,)
     engines = {c: build_engine(model, tok, specs, sampling, gen, cache=c, compile=args.compile, linear=linear,
                                verifier=args.verifier,
-                               target_name=args.target, trust_remote_code=args.trust_remote_code) for c in caches}
+                               target_name=args.target, trust_remote_code=args.trust_remote_code,
+                               needs_hidden=probe_length.needs_target_hidden) for c in caches}
     labels = [a.label for a in next(iter(engines.values())).arms]
     encoded = [encode_prompt(tok, p.text) for p in prompts]
     K = len(labels)
@@ -141,6 +166,9 @@ def run(args) -> int:
 
     def policy(i):
         return Fixed(K, engines[caches[0]].max_len, arm=i)
+
+    lengths = {r: build_length(args.length, 0) for r in runs}  # one controller per arm (and cache)
+    plans: dict[tuple[str, int], list] = {r: [] for r in runs}
 
     compile_info = {c: e.prepare([len(x) for x in encoded], args.max_new_tokens, show=not args.no_progress)
                     for c, e in engines.items()}
@@ -151,14 +179,16 @@ def run(args) -> int:
     bar = tqdm(total=len(encoded) * len(runs), desc="bench-round", unit="run", disable=args.no_progress)
     for pi, (p, ids) in enumerate(zip(prompts, encoded)):
         for c, i in runs[pi % len(runs):] + runs[:pi % len(runs)]:  # rotate: noise hits all alike
-            g = engines[c].generate(ids, policy(i), args.max_new_tokens)
+            g = engines[c].generate(ids, policy(i), args.max_new_tokens, length=lengths[(c, i)])
             gens[(c, i)].append(g)
+            if hasattr(lengths[(c, i)], "take_plans"):
+                plans[(c, i)] += lengths[(c, i)].take_plans()
             per_gen.append({"arm": labels[i], "cache": c, "prompt_id": p.id, "rounds": len(g.rounds),
                             "new_tokens": len(g.tokens), "wall_time": g.wall_time, "setup_time": g.setup_time})
             bar.update()
     bar.close()
     both = len(caches) > 1
-    result = {(f"{labels[i]} [{c}]" if both else labels[i]): breakdown(gens[(c, i)]) for c, i in runs}
+    result = {(f"{labels[i]} [{c}]" if both else labels[i]): breakdown(gens[(c, i)], plans[(c, i)]) for c, i in runs}
     ratios = ({labels[i]: result[f"{labels[i]} [static]"]["tokens_per_s"] / result[f"{labels[i]} [dynamic]"]["tokens_per_s"]
                for i in range(K)} if both else None)
     table = markdown_table(result)

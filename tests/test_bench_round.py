@@ -37,6 +37,11 @@ def test_bench_round_breaks_every_arm_round_into_phases(tiny_target_dir, tmp_pat
         gens = [g for g in rep["generations"] if g["arm"] == label]
         assert len(gens) == 2 and b["rounds"] == sum(g["rounds"] for g in gens)
     assert rep["arms"]["none"]["tokens_per_round"] == 1.0
+    assert rep["arms"]["none"]["draft_lengths"] == {"0": rep["arms"]["none"]["rounds"]}
+    for label in labels:  # the drafted-length distribution covers every round, within the arm's L
+        lengths = rep["arms"][label]["draft_lengths"]
+        assert sum(lengths.values()) == rep["arms"][label]["rounds"] and "cost_plan" not in rep["arms"][label]
+        assert all(0 <= int(n) <= 6 for n in lengths)
     assert rep["arms"]["none"]["draft_cost"] is None and "drafted token (× step)" in table  # drafts nothing
     for label in ("pld@4", "suffix@6"):
         c = rep["arms"][label]["draft_cost"]
@@ -87,3 +92,17 @@ def test_bench_round_bad_flags(capsys):
     assert "--max-new-tokens" in capsys.readouterr().err
     assert main(["bench-round", "--arms", " "]) == 2
     assert "no arms" in capsys.readouterr().err
+
+
+def test_bench_round_with_the_cost_controller_reports_its_lengths_and_plans(tiny_target_dir, tmp_path, one_thread):
+    out = tmp_path / "cost.json"
+    rc = main(["bench-round", "--target", tiny_target_dir, "--arms", "pld:L=6;none", "--limit", "1",
+               "--categories", "code", "--max-new-tokens", "12", "--threads", "1", "--device", "cpu",
+               "--length", "cost", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    pld = rep["arms"]["pld@6"]
+    plan = pld["cost_plan"]
+    assert plan["expected_tokens_per_step"] > 0 and plan["realised_tokens_per_step"] > 0
+    assert "tokens/step expected" in rep["table"] and sum(pld["draft_lengths"].values()) == pld["rounds"]
+    assert main(["bench-round", "--length", "costly"]) == 2
