@@ -21,6 +21,7 @@ rounding (another summation order, ~1e-4 absolute on logits of magnitude ~20), l
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import weakref
 
@@ -83,8 +84,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@functools.lru_cache(maxsize=None)
 def onednn_usable(device, dtype: torch.dtype) -> str | None:
-    """None when linears on ``device`` in ``dtype`` can be packed for oneDNN here, else the reason not."""
+    """None when linears on ``device`` in ``dtype`` can be packed for oneDNN here, else the reason not
+    (answered once per device and dtype)."""
     device = torch.device(device)
     if device.type != "cpu":
         return f"the target runs on {device.type} (oneDNN packing is for CPUs)"
@@ -93,9 +96,7 @@ def onednn_usable(device, dtype: torch.dtype) -> str | None:
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (mkldnn)"
     try:  # the op exists and runs on this CPU
-        w = torch.zeros(8, 8, dtype=dtype)
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype),
-                                           torch.ops.mkldnn._reorder_linear_weight(w, None), None, "none", [], "")
+        packed_linear(torch.zeros(1, 8, dtype=dtype), pack_weight(torch.zeros(8, 8, dtype=dtype)))
     except (RuntimeError, AttributeError) as e:
         return f"oneDNN linear failed here ({str(e).splitlines()[0][:120]})"
     return None
@@ -122,11 +123,17 @@ def pack_linears(model: torch.nn.Module) -> torch.nn.Module:
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
     fast = copy.deepcopy(model, memo)
     for module in list(fast.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(module, name, PackedLinear(child))
+        _pack_children(module)
     fast.eval()
     return fast
+
+
+def _pack_children(module: torch.nn.Module) -> int:
+    """Replace the ``nn.Linear`` children of ``module`` (not deeper) by PackedLinears; returns how many."""
+    linears = [(name, child) for name, child in module.named_children() if type(child) is torch.nn.Linear]
+    for name, child in linears:
+        setattr(module, name, PackedLinear(child))
+    return len(linears)
 
 
 def linear_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
@@ -136,9 +143,9 @@ def linear_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
 
 def pack_arm_linears(arms, stock_model: torch.nn.Module) -> int:
     """Pack, in place, the linears of the modules the arms own (an EAGLE head's layer, fc and draft-vocabulary
-    projection; a drafter model), once they are loaded. A module of ``stock_model`` is never changed (early-exit stacks run
-    the target's own layers; the hf reference runs them too): only parents the arm owns get a PackedLinear
-    child, which may wrap a shared weight. Returns how many linears were packed."""
+    projection; a drafter model), once they are loaded. A module of ``stock_model`` is never changed
+    (early-exit stacks run the target's own layers; the hf reference runs them too): only parents the arm
+    owns get a PackedLinear child, which may wrap a shared weight. Returns how many linears were packed."""
     stock = {id(m) for m in stock_model.modules()}
     seen, packed = set(), 0
     for arm in arms:
@@ -151,10 +158,7 @@ def pack_arm_linears(arms, stock_model: torch.nn.Module) -> int:
                 seen.add(id(module))
                 if isinstance(getattr(module, "draft_weight", None), torch.Tensor):  # an EAGLE draft-vocab head
                     module.draft_weight_packed = pack_weight(module.draft_weight)
-                for name, child in list(module.named_children()):
-                    if type(child) is torch.nn.Linear:
-                        setattr(module, name, PackedLinear(child))
-                        packed += 1
+                packed += _pack_children(module)
     return packed
 
 
