@@ -33,7 +33,7 @@ from .length import build_length
 from .linear import LINEAR_KINDS, resolve_linear
 from .models import DEFAULT_TARGET, load_model
 from .policies.simple import Fixed
-from .report import cost_plan_summary
+from .report import cost_plan_record, cost_plan_summary
 from .sampling import SamplingConfig
 from .specs import split_specs
 from .suites import BUILTIN, encode_prompt, load_jsonl_suite, select
@@ -97,10 +97,8 @@ def breakdown(gens: list[Generation], plans: list[tuple[float, float]] = ()) -> 
                    for k, v in secs.items()},
         "outside_percent": 100 * sum(secs[k] for k in OUTSIDE) / loop if loop > 0 else 0.0,
         "draft_lengths": {str(n): c for n, c in sorted(Counter(r.drafted for g in gens for r in g.rounds).items())},
-        **({"cost_plan": cost_plan_summary(
-            [{"expected_tokens": sum(e for e, _ in plans), "expected_cost_steps": sum(c for _, c in plans),
-              "cost_steps": sum(r.time / r.step_time for g in gens for r in g.rounds if r.step_time > 0)}],
-            tokens)} if plans else {}),
+        **({"cost_plan": cost_plan_summary([cost_plan_record(plans, [r for g in gens for r in g.rounds])], tokens)}
+           if plans else {}),
     }
 
 
@@ -181,8 +179,7 @@ def run(args) -> int:
         for c, i in runs[pi % len(runs):] + runs[:pi % len(runs)]:  # rotate: noise hits all alike
             g = engines[c].generate(ids, policy(i), args.max_new_tokens, length=lengths[(c, i)])
             gens[(c, i)].append(g)
-            if hasattr(lengths[(c, i)], "take_plans"):
-                plans[(c, i)] += lengths[(c, i)].take_plans()
+            plans[(c, i)] += lengths[(c, i)].take_plans()
             per_gen.append({"arm": labels[i], "cache": c, "prompt_id": p.id, "rounds": len(g.rounds),
                             "new_tokens": len(g.tokens), "wall_time": g.wall_time, "setup_time": g.setup_time})
             bar.update()

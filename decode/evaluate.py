@@ -37,7 +37,7 @@ from .models import DEFAULT_TARGET, eos_token_ids, load_model, pad_token_id
 from .peers import HFMethod, build_peers
 from .policies import build_policy
 from .policies.simple import Fixed
-from .report import AR, FORMAT, build_report, figures_note, load_records, rotated, write_report
+from .report import AR, FORMAT, build_report, cost_plan_record, figures_note, load_records, rotated, write_report
 from .sampling import SamplingConfig
 from .suites import BUILTIN, Prompt, encode_prompt, load_jsonl_suite, select
 from .traces import record_trace, write_traces
@@ -112,16 +112,13 @@ class EngineMethod:
         return policy
 
     def decode(self, ids: list[int], pi: int, max_new_tokens: int) -> dict:
-        take_plans = getattr(self.length, "take_plans", None)
-        if take_plans is not None:
-            take_plans()  # forget an earlier (warm-up) decode's plans
+        if self.length is not None:
+            self.length.take_plans()  # forget an earlier (warm-up) decode's plans
         g: Generation = self.engine.generate(ids, self._policy(pi), max_new_tokens, length=self.length)
         record = self._record(g)
-        if take_plans is not None and g.rounds:  # the cost controller: what it expected vs what the rounds gave
-            plans = take_plans()
-            record["cost_plan"] = {"expected_tokens": sum(e for e, _ in plans),
-                                   "expected_cost_steps": sum(c for _, c in plans),
-                                   "cost_steps": sum(r.time / r.step_time for r in g.rounds if r.step_time > 0)}
+        plans = self.length.take_plans() if self.length is not None else []
+        if plans:  # the cost controller: what it expected vs what the rounds gave
+            record["cost_plan"] = cost_plan_record(plans, g.rounds)
         return record
 
     def _record(self, g: Generation) -> dict:
@@ -301,7 +298,7 @@ def _compile(cfg: EvalConfig, engine: SpecEngine, peers: list, encoded: list[lis
         info["engine"] = described
     longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
     for peer in peers:
-        if getattr(peer, "compiles", False):  # the longest prompt, every token: the largest cache it will need
+        if peer.compiles:  # the longest prompt, every token: the largest cache it will need
             t0 = time.perf_counter()
             peer.decode(encoded[longest], longest, cfg.max_new_tokens)
             info[peer.name] = {"seconds": round(time.perf_counter() - t0, 2)}

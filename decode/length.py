@@ -65,6 +65,12 @@ class LengthController:
     def observe_round(self, record) -> None:
         """The engine's :class:`~decode.draft.RoundRecord` of the round just played (draft time and step time)."""
 
+    def take_plans(self) -> list[tuple[float, float]]:
+        """(E[tokens], planned cost in steps) of every round planned since the last call, then forgets them
+        (what a report sets against the tokens and cost the rounds realised); [] for controllers that plan
+        nothing."""
+        return []
+
     def update(self, drafted: int, outcome: Outcome, arm: int = 0) -> None:
         """Learn from the round arm ``arm`` just had verified. ``outcome`` is the verifier's, before any
         EOS truncation: an accepted token after an EOS is still evidence about the drafter."""
@@ -261,8 +267,6 @@ class CostAware(LengthController):
         return lambda i, row=None, hidden=None: i < k
 
     def take_plans(self) -> list[tuple[float, float]]:
-        """(E[tokens], planned cost in steps) of every round planned since the last call, then forgets them:
-        what a report sets against the tokens and cost the rounds realised."""
         out, self.pending = self.pending, []
         return out
 

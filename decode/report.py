@@ -95,6 +95,13 @@ def draft_lengths(records: list[dict]) -> dict:
     return {a: {str(n): c[n] for n in sorted(c)} for a, c in counts.items()}
 
 
+def cost_plan_record(plans: list[tuple[float, float]], rounds) -> dict:
+    """One generation's ``cost_plan``: the controller's (E[tokens], planned cost) per round summed, beside
+    the measured cost of its ``rounds`` (RoundRecords: draft + verification time in one-token steps)."""
+    return {"expected_tokens": sum(e for e, _ in plans), "expected_cost_steps": sum(c for _, c in plans),
+            "cost_steps": sum(r.time / r.step_time for r in rounds if r.step_time > 0)}
+
+
 def cost_plan_summary(plans: list[dict], tokens: int) -> dict:
     """The cost controller's expected tokens per step of cost (what its plans promised) beside the realised
     ones (tokens emitted / the rounds' measured draft + verification time in one-token steps)."""
