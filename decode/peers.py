@@ -274,22 +274,22 @@ class StaticCachePeer(PeerMethod):
         super().__init__(name, ctx)
         self.compiles = compile
         self.settings = {"cache_implementation": "static", "compile": compile}
+        self._kwargs = {"cache_implementation": "static"}
+        if compile:
+            from transformers import CompileConfig
 
-    def generate_kwargs(self):
-        from transformers import CompileConfig
-
-        kwargs = {"cache_implementation": "static"}
-        if self.compiles:
             from .compiled import inductor_cache_dir
 
             inductor_cache_dir()  # the same on-disk cache as our compiled target
-            cuda = self.ctx.model.device.type == "cuda"
+            cuda = ctx.model.device.type == "cuda"
             cfg = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if cuda else "default")
             cfg._compile_all_devices = True
-            kwargs["compile_config"] = cfg
+            self._kwargs["compile_config"] = cfg
         else:
-            kwargs["disable_compile"] = True
-        return kwargs
+            self._kwargs["disable_compile"] = True
+
+    def generate_kwargs(self):
+        return dict(self._kwargs)
 
 
 SCHEDULES = ("dsl", "heuristic", "constant")
