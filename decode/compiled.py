@@ -4,7 +4,7 @@ Why static shapes: on a small target most of a step is per-op and per-layer over
 which inductor removes by fusing the small ops (norms, rotary, activations, residuals) into a few kernels. A
 graph compiled with ``dynamic=True`` keeps every size symbolic and generic; a graph per size is specialised.
 A round scores ``n = L + 1`` positions with L small, so the sizes a run needs are few and known up front
-(1 … max draft + 1): :meth:`CompiledForward.warm_up` compiles each of them once at load, with a progress
+(1 … max draft + 1): :meth:`Target.warm_up` compiles each of them once at load, with a progress
 message, so no compilation lands inside a timed round. The KV cache is HF's ``StaticCache`` whose tensors and
 length pointer keep their addresses (decode/target.py), so moving the pointer never recompiles; its
 capacity is part of a graph's shape, so a run sizes the cache once for its longest prompt
@@ -99,24 +99,3 @@ class CompiledForward:
         return {"graphs": self.graphs, "seconds": round(self.seconds, 2),
                 "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
 
-
-def warm_up_sizes(target, sizes, *, show: bool = True) -> float:
-    """Compile the verification forward for every number of positions in ``sizes`` (at the target's current
-    cache capacity and hidden-state setting) on a scratch sequence, one line per new graph on stderr unless
-    ``show`` is False; returns the seconds spent. The target's sequence is reset afterwards (call it before a
-    query's prefill)."""
-    compiled = target.compiled
-    sizes = sorted({int(n) for n in sizes if int(n) >= 1})
-    if compiled is None or not sizes:
-        return 0.0
-    start = time.perf_counter()
-    target.kv.start(target.kv.capacity or None, minimum=max(sizes) + 1)
-    announce, compiled.announce = compiled.announce, show
-    try:
-        for n in sizes:
-            target.score(0, torch.zeros(n - 1, dtype=torch.long))
-            target.kv.crop(0)
-    finally:
-        compiled.announce = announce
-    target.forwards = 0
-    return time.perf_counter() - start

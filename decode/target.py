@@ -44,6 +44,7 @@ allocation. The prefill and tree forwards stay eager (their lengths and masks va
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,7 @@ from transformers.cache_utils import StaticLayer
 from .draft import Draft
 from .errors import UserError
 from .tree import tree_attention
-from .compiled import CompiledForward, warm_up_sizes
+from .compiled import CompiledForward
 
 CACHE_KINDS = ("dynamic", "static")
 CACHE_BUCKET = 256  # static allocations are multiples of this many slots (max_cache_len=None)
@@ -306,6 +307,7 @@ class Target:
         self.kv = KVCache.for_model(model, cache, max_cache_len)
         self.compile = bool(compile)
         self.compiled = CompiledForward(model) if compile else None
+        self.linear = "stock"  # how ``model``'s linears run (decode/linear.py); build_engine records "onednn"
         self.forwards = 0
         self.prefill_hidden = None
         # layers of ScoreResult.hidden / prefill_hidden, in column order (d columns each); (-1,) = the post-norm
@@ -360,8 +362,22 @@ class Target:
 
     def warm_up(self, max_positions: int, *, show: bool = True) -> float:
         """Compile the verification forward for 1 … ``max_positions`` positions now (``compile=True``; else a
-        no-op returning 0); returns the seconds it took. Resets the current sequence."""
-        return warm_up_sizes(self, range(1, int(max_positions) + 1), show=show)
+        no-op returning 0) on a scratch sequence at the current cache capacity, one line per new graph on
+        stderr unless ``show`` is False; returns the seconds it took. Resets the current sequence (call it
+        before a query's prefill)."""
+        if self.compiled is None or max_positions < 1:
+            return 0.0
+        start = time.perf_counter()
+        self.kv.start(self.kv.capacity or None, minimum=int(max_positions) + 1)
+        announce, self.compiled.announce = self.compiled.announce, show
+        try:
+            for n in range(1, int(max_positions) + 1):
+                self.score(0, torch.zeros(n - 1, dtype=torch.long))
+                self.kv.crop(0)
+        finally:
+            self.compiled.announce = announce
+        self.forwards = 0
+        return time.perf_counter() - start
 
     def prefill(self, prompt_ids: list[int], capacity: int | None = None) -> None:
         """Start a new sequence: cache all prompt tokens but the last.
