@@ -19,12 +19,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from decode.device import DTYPES
 from decode.errors import UserError
 from decode.models import DEFAULT_TARGET
 from decode.heads.common import HEAD_CONFIG, HEAD_WEIGHTS, read_head_config
 from decode.vocab import VOCAB_FILE
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
