@@ -9,11 +9,16 @@ from decode.cli import main
 PHASES = ("draft", "target_forward", "verify", "rollback", "bookkeeping", "other")
 
 
+def _bench(target: str, arms: str, categories: str, tokens: int, out, *extra: str) -> int:
+    """`decode bench-round` on the tiny target, one prompt per category, one thread, on the CPU."""
+    return main(["bench-round", "--target", target, "--arms", arms, "--limit", "1", "--categories", categories,
+                 "--max-new-tokens", str(tokens), "--threads", "1", "--device", "cpu", "--no-progress", *extra,
+                 "--out", str(out)])
+
+
 def test_bench_round_breaks_every_arm_round_into_phases(tiny_target_dir, tmp_path, capsys, one_thread):
     out = tmp_path / "br" / "round.json"
-    rc = main(["bench-round", "--target", tiny_target_dir, "--arms", "pld:L=4;suffix:L=6;none", "--limit", "1",
-               "--categories", "code,chat", "--max-new-tokens", "12", "--threads", "1", "--device", "cpu",
-               "--no-progress", "--out", str(out)])
+    rc = _bench(tiny_target_dir, "pld:L=4;suffix:L=6;none", "code,chat", 12, out)
     assert rc == 0
     printed = capsys.readouterr().out
     rep = json.loads(out.read_text())
@@ -71,9 +76,7 @@ def test_bench_round_breaks_every_arm_round_into_phases(tiny_target_dir, tmp_pat
 
 def test_bench_round_compares_both_caches_side_by_side(tiny_target_dir, tmp_path, capsys, one_thread):
     out = tmp_path / "both.json"
-    rc = main(["bench-round", "--target", tiny_target_dir, "--arms", "pld:L=4;none", "--limit", "1",
-               "--categories", "code,chat", "--max-new-tokens", "10", "--threads", "1", "--device", "cpu",
-               "--cache", "both", "--no-progress", "--out", str(out)])
+    rc = _bench(tiny_target_dir, "pld:L=4;none", "code,chat", 10, out, "--cache", "both")
     assert rc == 0
     rep = json.loads(out.read_text())
     assert set(rep["arms"]) == {"pld@4 [static]", "pld@4 [dynamic]", "none [static]", "none [dynamic]"}
@@ -96,9 +99,7 @@ def test_bench_round_bad_flags(capsys):
 
 def test_bench_round_with_the_cost_controller_reports_its_lengths_and_plans(tiny_target_dir, tmp_path, one_thread):
     out = tmp_path / "cost.json"
-    rc = main(["bench-round", "--target", tiny_target_dir, "--arms", "pld:L=6;none", "--limit", "1",
-               "--categories", "code", "--max-new-tokens", "12", "--threads", "1", "--device", "cpu",
-               "--length", "cost", "--no-progress", "--out", str(out)])
+    rc = _bench(tiny_target_dir, "pld:L=6;none", "code", 12, out, "--length", "cost")
     assert rc == 0
     rep = json.loads(out.read_text())
     pld = rep["arms"]["pld@6"]
