@@ -33,6 +33,7 @@ from .length import build_length
 from .linear import LINEAR_KINDS, resolve_linear
 from .models import DEFAULT_TARGET, load_model
 from .policies.simple import Fixed
+from .cost import curve_summary, markdown_curve, verification_forwards
 from .report import cost_plan_record, cost_plan_summary
 from .sampling import SamplingConfig
 from .specs import split_specs
@@ -192,6 +193,12 @@ def run(args) -> int:
     if ratios:
         table += ("\n\n| arm | static ÷ dynamic tokens/s |\n|---|---|\n"
                   + "\n".join(f"| {k} | {v:.3f} |" for k, v in ratios.items()))
+    curves = {c: curve_summary(f for (cc, _), gs in gens.items() if cc == c for g in gs
+                               for f in verification_forwards(g.prompt_len, g.rounds, g.step_times)) for c in caches}
+    for c, curve in curves.items():  # the device's verification curve over this run (per cache: shapes differ)
+        if curve is not None:
+            table += (f"\n\nVerification cost c(n){f' [{c}]' if both else ''} (one-token steps, medians of "
+                      f"{curve['forwards']} forwards):\n\n" + markdown_curve(curve))
     print(table)
     compiled = (f" + compile ({sum(i['seconds'] for i in compile_info.values() if i):.0f} s of compiling before the "
                 f"run)" if args.compile else "")
@@ -205,7 +212,7 @@ def run(args) -> int:
                       "step_time": {c: e.step_time for c, e in engines.items()}, "compile": compile_info,
                       "torch": torch.__version__,
                       "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
-                  "arms": result, "static_over_dynamic": ratios, "generations": per_gen, "table": table}
+                  "arms": result, "static_over_dynamic": ratios, "cost_curve": curves, "generations": per_gen, "table": table}
         atomic_write_json(out, report)
         atomic_write_text(out.with_suffix(".md"), table + "\n")
         print(f"report: {out}")

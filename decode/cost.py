@@ -94,6 +94,48 @@ class CostCurve:
     def samples(self) -> int:
         return sum(len(t) for t in self._times.values())
 
+    @classmethod
+    def from_forwards(cls, forwards, bucket: int = CONTEXT_BUCKET) -> "CostCurve":
+        """A curve of every ``(n, context, seconds)`` measurement given (no window: a report's whole run)."""
+        forwards = list(forwards)
+        curve = cls(bucket=bucket, window=max(len(forwards), 1))
+        for n, context, seconds in forwards:
+            curve.observe(n, context, seconds)
+        return curve
+
+
+def verification_forwards(prompt_len: int, rounds, step_times) -> list[list]:
+    """One generation's verification forwards as ``[n positions, context tokens, ms]`` per round (what a
+    report rebuilds the curve from): n = drafted + 1, context = the prompt plus the tokens before the round."""
+    out, context = [], int(prompt_len)
+    for r, t in zip(rounds, step_times):
+        out.append([r.drafted + 1, context, round(1000 * t.score, 3)])
+        context += r.new_tokens
+    return out
+
+
+def curve_summary(forwards) -> dict | None:
+    """The report's ``cost_curve``: c(n) per context bucket (one-token steps, medians over the whole run)
+    from ``[n, context, ms]`` forwards; None when no one-token forward was measured (no unit)."""
+    curve = CostCurve.from_forwards((n, c, ms / 1000) for n, c, ms in forwards)
+    table = curve.table()
+    if not table:
+        return None
+    ms_one = {b: round(1000 * curve.seconds(1, int(b)), 2) for b in table}
+    return {"bucket_tokens": curve.bucket, "steps": table, "one_token_ms": ms_one, "forwards": curve.samples()}
+
+
+def markdown_curve(summary: dict) -> str:
+    """The cost curve as a table: one row per context bucket, one column per measured n."""
+    sizes = sorted({int(n) for row in summary["steps"].values() for n in row})
+    head = "| context tokens | 1-token ms | " + " | ".join(f"c({n})" for n in sizes) + " |"
+    rows = [head, "|" + "---|" * (len(sizes) + 2)]
+    w = summary["bucket_tokens"]
+    for b, row in summary["steps"].items():
+        cells = [f"{row[str(n)]:.2f}" if str(n) in row else "—" for n in sizes]
+        rows.append(f"| {b}–{int(b) + w - 1} | {summary['one_token_ms'][b]:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
 
 def probe(curve: CostCurve, target, prompt_ids: list[int], sizes, repeats: int = 3, clock=None) -> None:
     """Seed ``curve`` with ``repeats`` forwards of every size in ``sizes`` after ``prompt_ids`` (one warm-up

@@ -37,6 +37,7 @@ from .models import DEFAULT_TARGET, eos_token_ids, load_model, pad_token_id
 from .peers import HFMethod, build_peers
 from .policies import build_policy
 from .policies.simple import Fixed
+from .cost import verification_forwards
 from .report import AR, FORMAT, build_report, cost_plan_record, figures_note, load_records, rotated, write_report
 from .sampling import SamplingConfig
 from .suites import BUILTIN, Prompt, encode_prompt, load_jsonl_suite, select
@@ -116,6 +117,7 @@ class EngineMethod:
             self.length.take_plans()  # forget an earlier (warm-up) decode's plans
         g: Generation = self.engine.generate(ids, self._policy(pi), max_new_tokens, length=self.length)
         record = self._record(g)
+        record["verify_forwards"] = verification_forwards(len(ids), g.rounds, g.step_times)
         plans = self.length.take_plans() if self.length is not None else []
         if plans:  # the cost controller: what it expected vs what the rounds gave
             record["cost_plan"] = cost_plan_record(plans, g.rounds)

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from . import metrics
+from .cost import curve_summary, markdown_curve
 from .errors import UserError
 from .eval_config import records_path, report_path
 from .io import atomic_write_json, atomic_write_text, read_jsonl_log
@@ -242,7 +243,14 @@ def build_report(header: dict, records: list[dict]) -> tuple[dict, str]:
         config["compile_info"] = header["compile"]
     report = {"schema_version": SCHEMA, "config": config, "complete": len(done) == len(prompts), "records": recs,
               "summary": summary, "warnings": warnings}
-    return report, markdown_table(summary, cats, warnings)
+    table = markdown_table(summary, cats, warnings)
+    # c(n) over every verification forward of our engine's methods (autoregressive and arms alike)
+    curve = curve_summary(f for r in recs if r["method"] != ORACLE for f in r.get("verify_forwards", ()))
+    if curve is not None:
+        report["cost_curve"] = curve
+        table += ("\n\n**Verification cost c(n)** (one forward scoring n positions, in one-token steps; "
+                  f"medians of {curve['forwards']} forwards):\n\n" + markdown_curve(curve))
+    return report, table
 
 
 def figures_note(report: Path, plots: bool) -> str:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from decode.arms import ArmEnv, build_arm
-from decode.cost import CostCurve, probe
-from decode.draft import Outcome, RoundRecord
+from decode.cost import CostCurve, curve_summary, markdown_curve, probe, verification_forwards
+from decode.draft import Outcome, RoundRecord, StepTimes
 from decode.engine import SpecEngine
 from decode.errors import UserError
 from decode.length import CostAware, build_length
@@ -46,6 +46,25 @@ def test_curve_window_forgets_old_measurements():
     for s in (1.0, 1.0, 1.0, 2.0, 2.0, 2.0):
         c.observe(2, 0, s)
     assert c.seconds(2, 0) == 2.0 and c.samples() == 3
+
+
+def test_a_runs_curve_is_rebuilt_from_its_rounds_forwards():
+    """Reports rebuild c(n) from every round's [n, context, ms]: n = drafted + 1, context = prompt + tokens
+    before the round; medians over the whole run (no window), in one-token steps per context bucket."""
+    rounds = [RoundRecord(arm=0, drafted=d, accepted=0, new_tokens=k, draft_time=0, verify_time=0)
+              for d, k in ((0, 1), (2, 3), (2, 1), (0, 1))]
+    times = [StepTimes(0, 0, s, 0, 0) for s in (0.010, 0.012, 0.014, 0.0102)]
+    fw = verification_forwards(250, rounds, times)
+    assert fw == [[1, 250, 10.0], [3, 251, 12.0], [3, 254, 14.0], [1, 255, 10.2]]
+    s = curve_summary(fw * 20)  # more forwards than a live curve's window: all count
+    assert s["forwards"] == 80 and s["bucket_tokens"] == 256
+    assert s["steps"] == {"0": {"1": 1.0, "3": round(13.0 / 10.1, 3)}} and s["one_token_ms"] == {"0": 10.1}
+    s2 = curve_summary(fw + [[1, 300, 20.0], [2, 300, 30.0]])
+    assert s2["steps"]["256"] == {"1": 1.0, "2": 1.5}
+    md = markdown_curve(s2)
+    assert "| context tokens | 1-token ms | c(1) | c(2) | c(3) |" in md
+    assert "| 256–511 | 20.0 | 1.00 | 1.50 | — |" in md
+    assert curve_summary([[3, 10, 5.0]]) is None  # no one-token forward: no unit to divide by
 
 
 def test_curve_fallbacks_nearest_bucket_then_interpolation():

@@ -173,5 +173,11 @@ def test_a_compiled_run_reports_compile_seconds_apart_from_speed(tiny_target_dir
     assert all(r["cost_plan"]["expected_tokens"] >= len(r["drafted"]) for r in recs)  # ≥ 1 token per round
     assert "cost_plan" not in s["autoregressive"] and "cost_plan" not in s["hf"]
     assert set(s["arm:pld@2"]["draft_lengths"]) == {"pld@2"}
+    # the device's verification curve over the run, rebuilt from the engine methods' rounds
+    ours = [r for r in rep["records"] if r["method"] in ("arm:pld@2", "policy:ucbspec", "autoregressive")]
+    assert all(len(r["verify_forwards"]) == len(r["drafted"]) for r in ours)
+    assert all(f[0] == d + 1 for r in ours for f, d in zip(r["verify_forwards"], r["drafted"]))
+    assert "verify_forwards" not in next(r for r in rep["records"] if r["method"] == "hf")
+    assert rep["cost_curve"]["forwards"] == sum(len(r["drafted"]) for r in ours)
     table = (tmp_path / "r.md").read_text() if (tmp_path / "r.md").exists() else ""
     assert "compile s" in ev.markdown_table(s, ["code", "summarization"]) and ("compile s" in table or not table)
