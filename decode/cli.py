@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "and token trees of 1…64 nodes, as a multiple of a one-token step"),
     "generate": ("decode.generate", "decode one prompt (or an interactive loop), streaming tokens as they are accepted"),
     "compare": ("decode.compare", "per-method differences between two evaluation reports"),
+    "serve": ("decode.serve.command", "an OpenAI-compatible HTTP server (chat/completions, streaming, metrics) whose "
+              "arm choice learns across requests"),
 }
 
 

@@ -98,6 +98,15 @@ class SpecEngine:
         self.scorer = CounterfactualScorer(arms, greedy=verifier.cfg.greedy)
         self.cost = CostCurve()  # c(n): every round's verification forward is a measurement (decode/cost.py)
 
+    def set_sampling(self, cfg: SamplingConfig) -> None:
+        """Decode the next queries under ``cfg`` (temperature, top-k, top-p): the verifier, every arm's draft
+        distribution and the counterfactual scorer's exactness all follow it (``decode serve`` sets it per
+        request). Not mid-query: a round's draft and its verification must use the same config."""
+        self.verifier.cfg = cfg
+        self.scorer.greedy = cfg.greedy
+        for a in self.arms:
+            a.set_sampling(cfg)
+
     def _clock(self) -> float:
         """perf_counter() once the target's device has finished its queued work."""
         synchronize(getattr(self.target, "device", None))

@@ -128,10 +128,15 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     """Token ids for a single user turn, using the model's chat template when it has one."""
     if not text or not text.strip():
         raise UserError("empty prompt: there is nothing to decode from")
+    return encode_messages(tokenizer, [{"role": "user", "content": text}])
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation ready for the assistant's turn: the model's chat template with the
+    generation prompt; a tokenizer without a template gets the turns' contents joined by newlines."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # BatchEncoding in transformers 5
             ids = ids["input_ids"]
         return list(ids)
-    return tokenizer(text)["input_ids"]
+    return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])

@@ -183,3 +183,39 @@ def test_registry_passes_a_parameter_called_name_through():
         reg.build("v", "v:name=a", 1)
     with pytest.raises(UserError, match=r"widget 'w:y=1': bad parameters"):
         reg.build("w", "w:y=1", 1, y=1)
+
+
+def _sampling_engine(sampling: SamplingConfig, seed: int):
+    from decode.arms.eagle import EagleArm
+    from decode.heads.eagle import EagleHead
+    model, drafter = tiny_llama(seed=0), tiny_llama(seed=1)
+    gen = torch.Generator().manual_seed(seed)
+    target = Target(model, want_hidden=True)
+    env = ArmEnv(model, TinyTokenizer(64), sampling, gen, target=target)
+    torch.manual_seed(4)
+    arms = [build_arm(s, env) for s in ("pld:L=4", "union:arms=pld:L=2+suffix:L=3,nodes=6")]
+    arms += [DrafterModelArm(drafter, sampling, 3, gen, K=2), EagleArm(EagleHead(model), model, sampling, 3,
+                                                                      generator=gen, target=target)]
+    return SpecEngine(target, arms, Verifier(sampling, "torch", gen)), gen
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(0.8, top_p=0.9), SamplingConfig(1.0, top_k=8)])
+def test_set_sampling_decodes_as_an_engine_built_with_that_config(cfg):
+    """`decode serve` switches one engine between requests' sampling settings: afterwards it must draw exactly
+    what an engine built with those settings draws (verifier, every arm's draft distribution, the scorer)."""
+    switched, gen_a = _sampling_engine(GREEDY, 0)
+    built, gen_b = _sampling_engine(cfg, 0)
+    switched.set_sampling(cfg)
+    assert switched.scorer.greedy is False and switched.arms[1].greedy is False
+    for prompt in PROMPTS:
+        for arm in range(len(built.arms)):
+            gen_a.manual_seed(11)
+            gen_b.manual_seed(11)
+            a = switched.generate(prompt, build_policy(f"fixed:arm={arm}", 4, 4), 12)
+            b = built.generate(prompt, build_policy(f"fixed:arm={arm}", 4, 4), 12)
+            assert a.tokens == b.tokens and [r.accepted for r in a.rounds] == [r.accepted for r in b.rounds]
+    switched.set_sampling(GREEDY)  # and back: greedy again, lossless
+    model = switched.target.model
+    for arm in range(len(switched.arms)):
+        got = switched.generate(PROMPTS[0], build_policy(f"fixed:arm={arm}", 4, 4), 12).tokens
+        assert got == plain_greedy(model, PROMPTS[0], 12)

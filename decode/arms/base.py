@@ -59,6 +59,12 @@ class Arm:
     def observe(self, context: list[int], hidden: torch.Tensor | None = None) -> None:
         """Called after each round with the committed context (and target hidden states if asked)."""
 
+    def set_sampling(self, cfg: SamplingConfig) -> None:
+        """Draft under ``cfg`` from the next proposal on (a server changes it per request). Arms that
+        sample their drafts keep it as ``self.sampling``; model-free arms draw nothing and ignore it."""
+        if hasattr(self, "sampling"):
+            self.sampling = cfg
+
     @property
     def label(self) -> str:
         return f"{self.name}@{self.L}"

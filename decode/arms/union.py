@@ -46,6 +46,11 @@ class UnionArm(Arm):
         self.uses_target_hidden = any(a.uses_target_hidden for a in arms)
         self._label = label
 
+    def set_sampling(self, cfg) -> None:
+        self.greedy = cfg.greedy
+        for a in self.arms:
+            a.set_sampling(cfg)
+
     @property
     def label(self) -> str:
         return self._label or f"union[{'+'.join(a.label for a in self.arms)}]@{self.nodes}nodes"
