@@ -19,7 +19,6 @@ from typing import Callable, Iterator, TextIO
 import torch
 
 from . import metrics
-from .arms import arm_names
 from .device import dtype_name, resolve_device, resolve_dtype
 from .engine import Generation, build_engine
 from .errors import UserError
@@ -31,7 +30,7 @@ from .peers import hf_generate
 from .policies import build_policy
 from .policies.simple import Fixed
 from .sampling import SamplingConfig
-from .specs import parse_spec, split_specs
+from .specs import split_specs
 from .suites import encode_prompt
 
 PROMPT = ">>> "
@@ -226,17 +225,8 @@ def check_args(args) -> tuple[list[str], str, SamplingConfig]:
     if args.interactive and args.prompt is not None:
         raise UserError("--interactive reads its prompts at the '>>>' prompt; drop the PROMPT argument "
                         "(or drop --interactive to decode just that prompt)")
-    specs = split_specs(args.arms or "")
-    if args.pool:
-        from .pools import load_pool
-        specs += load_pool(args.pool)
-    if not specs:
-        raise UserError(f"no arms: pass --arms (e.g. '{DEFAULT_ARMS}') or --pool")
-    known = arm_names()
-    for s in specs:
-        name, _ = parse_spec(s)
-        if name not in known:
-            raise UserError(f"--arms: unknown arm '{name}' in '{s}'; known arms: {', '.join(known)}")
+    from .pools import collect_arm_specs
+    specs = collect_arm_specs(args.arms, args.pool, DEFAULT_ARMS)
     policies = split_specs(args.policy or "")
     if len(policies) != 1:
         raise UserError(f"--policy takes exactly one policy spec (e.g. 'ucbspec' or 'ducb:discount=0.9,c=0.1'), "

@@ -129,3 +129,21 @@ def load_pool(path: str | Path) -> list[str]:
     if not specs:
         raise UserError(f"pool {p} names no drafters and no arms; add entries under 'drafters' or 'arms'")
     return specs
+
+
+def collect_arm_specs(arms: str | None, pool: str | None, example: str) -> list[str]:
+    """The arm specs of ``--arms`` (';'-separated) followed by ``--pool``'s, every arm name checked; ``example``
+    is the --arms value an error suggests."""
+    from .arms import arm_names
+    from .specs import split_specs
+    specs = split_specs(arms or "")
+    if pool:
+        specs += load_pool(pool)
+    if not specs:
+        raise UserError(f"no arms: pass --arms (e.g. '{example}') or --pool")
+    known = arm_names()
+    for s in specs:
+        name, _ = parse_spec(s)
+        if name not in known:
+            raise UserError(f"--arms: unknown arm '{name}' in '{s}'; known arms: {', '.join(known)}")
+    return specs

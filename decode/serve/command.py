@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from ..arms import arm_names
 from ..device import dtype_name, resolve_device, resolve_dtype
 from ..engine import build_engine
 from ..errors import UserError
@@ -27,9 +26,9 @@ from ..linear import LINEAR_KINDS, resolve_linear
 from ..models import DEFAULT_TARGET, cache_dir, load_model
 from ..policies import build_policy
 from ..policies.simple import Fixed
-from ..pools import REPO_ROOT, load_pool
+from ..pools import REPO_ROOT, collect_arm_specs, load_pool
 from ..sampling import SamplingConfig
-from ..specs import parse_spec, split_specs
+from ..specs import split_specs
 from ..suites import encode_prompt
 from .app import ServeConfig, create_app
 from .metrics import ServerMetrics
@@ -84,16 +83,7 @@ def arm_specs(args) -> list[str]:
             except UserError as exc:  # e.g. the trained head is not there: say so, serve model-free arms
                 print(f"note: the shipped pool is not usable ({exc}); serving {MODEL_FREE_ARMS}", file=sys.stderr)
         return split_specs(MODEL_FREE_ARMS)
-    specs = split_specs(args.arms or "")
-    if args.pool:
-        specs += load_pool(args.pool)
-    if not specs:
-        raise UserError(f"no arms: pass --arms (e.g. '{MODEL_FREE_ARMS}') or --pool")
-    known = arm_names()
-    for s in specs:
-        if parse_spec(s)[0] not in known:
-            raise UserError(f"--arms: unknown arm '{parse_spec(s)[0]}' in '{s}'; known arms: {', '.join(known)}")
-    return specs
+    return collect_arm_specs(args.arms, args.pool, MODEL_FREE_ARMS)
 
 
 def check_args(args) -> None:
