@@ -11,7 +11,7 @@ distribution that produced token i−1 (None for deterministic arms such as PLD)
 drafter's hidden state for token i−1 when the arm has one.
 
 Specs: ``fixed``, ``beta-ts:alpha=1,beta=1,seed=0``, ``cali-ts:sigma_m=0.2,sigma_s=0.5,theta0=0.6``,
-``cost:prior=1`` (not EESD's: chooses the length that maximises expected tokens per unit of cost on the
+``cost:prior=1,confidence=false`` (not EESD's: chooses the length that maximises expected tokens per unit of cost on the
 device's measured verification curve, decode/cost.py).
 State resets per query unless ``carry=true``. Randomness comes from a seeded numpy Generator.
 """
@@ -219,15 +219,34 @@ class CostAware(LengthController):
     were accepted, (accepted_i + prior) / (reached_i + 2·prior) — a Beta(prior, prior) posterior mean. The
     arm drafts k* tokens (fewer when it runs out; token 0 is always drafted, so a pool that may not
     speculate at all holds ``none`` for the policy to pick). Per arm, reset per query unless ``carry``.
-    ``plans`` records every round's choice (k*, expected tokens, expected cost) per arm for reports."""
+    ``plans`` records every round's choice (k*, expected tokens, expected cost) per arm for reports.
+
+    Confidence stopping (``confidence=true``; off by default: with the shipped EAGLE head it measured no faster
+    than the k* plan, 23.9 vs 24.4 tokens/s at L=5 on Spec-Bench dev, 13 × 1 prompts, interleaved): an arm that drafts from a distribution (EAGLE,
+    early exit, drafter models) shows the controller each token's distribution before the next one is drafted,
+    so the plan is revised token by token. Drafted token j's acceptance is then â(q_j), its confidence q_j
+    (the distribution's top probability) calibrated on what this arm's tokens of that confidence actually
+    did: per arm and confidence decile, (accepted + s·q) / (reached + s) with s = ``prior_weight``
+    pseudo-observations at q itself (the drafter's own word until the data speak). Before drafting token i
+    the controller compares E_i / cost(i) — tokens expected from the i tokens already drafted — with the best
+    E_k / cost(k) over k = i+1 … max_len (tokens beyond i at the arm's position rates a); it drafts on only
+    when some longer draft pays more per step of cost on the curve. The round's recorded plan is the one it
+    finally stopped at. Deterministic arms (prompt lookup, suffix) show no distribution and keep k*."""
 
     name = "cost"
     uses_cost = True
 
-    def __init__(self, prior: float = 1.0, seed: int = 0, carry: bool = False):
+    BINS = 10  # confidence deciles of the calibration
+
+    def __init__(self, prior: float = 1.0, confidence: bool = False, prior_weight: float = 4.0, seed: int = 0,
+                 carry: bool = False):
         if not prior > 0:
             raise UserError(f"cost: prior must be > 0, got {prior}")
-        self.prior = float(prior)
+        if not prior_weight > 0:
+            raise UserError(f"cost: prior_weight must be > 0 pseudo-observations, got {prior_weight}")
+        if not isinstance(confidence, bool):
+            raise UserError(f"cost: confidence must be true or false, got {confidence!r}")
+        self.prior, self.confidence, self.prior_weight = float(prior), confidence, float(prior_weight)
         self.curve = None
         super().__init__(seed, carry)
 
@@ -237,7 +256,10 @@ class CostAware(LengthController):
         self.draft_cost: dict[int, float] = {}  # arm -> drafted token in steps (running mean)
         self.draft_rounds: dict[int, int] = {}
         self.plans: dict[int, list[tuple[int, float, float]]] = {}  # arm -> [(k*, E[tokens], cost)]
-        self.pending: list[tuple[float, float]] = []  # (E[tokens], cost) of the rounds since take_plans()
+        self.pending: list[list[float]] = []  # [E[tokens], cost] of the rounds since take_plans()
+        # confidence calibration: arm -> per decile [reached, accepted]; this round's confidences
+        self.calib: dict[int, np.ndarray] = {}
+        self.round_conf: dict[int, list[float]] = {}
 
     def use_cost(self, curve) -> None:
         self.curve = curve
@@ -260,14 +282,46 @@ class CostAware(LengthController):
                 best = (k, expected, c)
         return best
 
+    def calibrated(self, arm: int, q: float) -> float:
+        """â(q): P(a token drafted with confidence q is accepted | its predecessors were), for arm ``arm``."""
+        b = min(int(q * self.BINS), self.BINS - 1)
+        reached, accepted = self.calib[arm][b] if arm in self.calib else (0.0, 0.0)
+        return (accepted + self.prior_weight * q) / (reached + self.prior_weight)
+
+    def revise(self, arm: int, confs: list[float], max_len: int, context: int) -> tuple[bool, float, float]:
+        """With ``len(confs)`` = i tokens drafted (their confidences): (draft token i?, E_i, cost(i))."""
+        i, d = len(confs), self.draft_cost.get(arm, 0.0)
+        expected, prefix = 1.0, 1.0
+        for q in confs:  # E_i = 1 + Σ_{m ≤ i} Π_{j < m} â(q_j)
+            prefix *= self.calibrated(arm, q)
+            expected += prefix
+        cost = (self.curve.steps(i + 1, context) if self.curve is not None else i + 1) + i * d
+        now, e = expected / cost, expected
+        for k, a in enumerate(self.rates(arm, max_len)[i:], start=i + 1):
+            prefix *= a
+            e += prefix
+            c = (self.curve.steps(k + 1, context) if self.curve is not None else k + 1) + k * d
+            if e / c > now:
+                return True, expected, cost
+        return False, expected, cost
+
     def keep_going(self, arm=0, *, max_len=None, context=0):
         k, expected, cost = self.plan(arm, max_len or 1, context)
         self.plans.setdefault(arm, []).append((k, expected, cost))
-        self.pending.append((expected, cost))
-        return lambda i, row=None, hidden=None: i < k
+        plan = [expected, cost]
+        self.pending.append(plan)
+        confs = self.round_conf[arm] = []
+
+        def go(i, row=None, hidden=None):
+            if row is None or not self.confidence:
+                return i < k
+            confs.append(float(row.max()))
+            more, plan[0], plan[1] = self.revise(arm, confs, max_len or 1, context)
+            return more
+        return go
 
     def take_plans(self) -> list[tuple[float, float]]:
-        out, self.pending = self.pending, []
+        out, self.pending = [tuple(p) for p in self.pending], []
         return out
 
     def update(self, drafted, outcome, arm=0):
@@ -281,6 +335,12 @@ class CostAware(LengthController):
             reached[i] += 1
         for i in range(outcome.accepted):
             acc[i] += 1
+        confs = self.round_conf.pop(arm, [])
+        if confs:  # the confidences seen this round: calibrate â(q) on what happened to those tokens
+            table = self.calib.setdefault(arm, np.zeros((self.BINS, 2)))
+            for j, q in enumerate(confs[:upto]):
+                b = min(int(q * self.BINS), self.BINS - 1)
+                table[b] += (1.0, float(j < outcome.accepted))
 
     def observe_round(self, record) -> None:
         if record.drafted <= 0 or not record.step_time > 0:

@@ -3,6 +3,8 @@
 the argmax of expected tokens per cost, and greedy losslessness through the engine."""
 import itertools
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -146,3 +148,70 @@ def test_engine_with_cost_controller_is_greedy_lossless_and_feeds_the_curve(cach
             assert r.drafted <= arms[r.arm].L
     assert eng.cost.samples() > 0 and ctl.curve is eng.cost
     assert sum(len(v) for v in ctl.plans.values()) == len(gen.rounds)  # one plan per round of the last query
+
+
+def _row(q: float, V: int = 8) -> torch.Tensor:
+    """A draft distribution whose top probability is ``q``."""
+    row = torch.full((V,), (1 - q) / (V - 1))
+    row[0] = q
+    return row
+
+
+def test_confidence_stopping_calibrates_the_drafters_confidence_and_stops_when_more_does_not_pay():
+    """A drafter whose confidence q is also the true chance its token is accepted, but q is reported 0.3 too
+    high: the calibration learns the truth per decile, and the callback drafts on exactly when some longer
+    draft pays more tokens per step of cost than stopping now (checked by brute force)."""
+    c = _curve([(1, 0.03), (2, 0.033), (3, 0.036), (4, 0.039), (5, 0.042)])  # each position costs 0.1 step
+    ctl = build_length("cost:confidence=true")
+    ctl.use_cost(c)
+    rng = np.random.default_rng(0)
+    for _ in range(3000):  # rounds of 4 tokens; token j is accepted w.p. true_j given j-1 was
+        go = ctl.keep_going(2, max_len=4, context=100)
+        true = rng.choice([0.05, 0.25, 0.55], size=4)
+        for i in range(1, 4):
+            go(i, _row(min(true[i - 1] + 0.3, 1.0)))
+        acc = 0
+        while acc < 4 and rng.random() < true[acc]:
+            acc += 1
+        ctl.update(4, Outcome(accepted=acc, tokens=[0] * (acc + 1), tv=[], accept_prob=[]), arm=2)
+    for q, truth in ((0.35, 0.05), (0.55, 0.25), (0.85, 0.55)):
+        assert ctl.calibrated(2, q) == pytest.approx(truth, abs=0.05)
+    rates = ctl.rates(2, 4)
+
+    def best_more(confs):  # brute force: E_k / cost(k) of every k > i against stopping at i
+        a = [ctl.calibrated(2, q) for q in confs] + rates[len(confs):]
+        value = [(1 + sum(np.prod(a[:m]) for m in range(1, k + 1))) / c.steps(k + 1, 100) for k in range(1, 5)]
+        return max(value[len(confs):]) > value[len(confs) - 1]
+
+    decisions = set()
+    for confs in ([0.85], [0.35], [0.85, 0.85], [0.85, 0.35], [0.55, 0.55, 0.85], [0.35, 0.85, 0.85]):
+        go = ctl.keep_going(2, max_len=4, context=100)
+        for i, q in enumerate(confs, start=1):
+            more = go(i, _row(q))
+        assert more == best_more(confs), confs
+        decisions.add(more)
+    assert decisions == {True, False}  # both outcomes occur: the test discriminates
+    plan = ctl.take_plans()[-1]  # the recorded plan is the revised one the round stopped at
+    a = [ctl.calibrated(2, q) for q in (0.35, 0.85, 0.85)]
+    assert plan[0] == pytest.approx(1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2])
+    assert plan[1] == pytest.approx(c.steps(4, 100))
+    fixed = build_length("cost")  # the default: the k* plan, whatever the drafter's confidence
+    fixed.use_cost(c)
+    go = fixed.keep_going(2, max_len=4, context=100)
+    assert go(1, _row(0.01)) == go(1, _row(0.99)) and fixed.round_conf[2] == []
+    with pytest.raises(UserError):
+        build_length("cost:prior_weight=0")
+
+
+def test_engine_with_confidence_stopping_is_greedy_lossless_and_varies_the_length(one_thread):
+    from decode.arms.model import DrafterModelArm
+    model, drafter = tiny_llama(layers=2, seed=1), tiny_llama(layers=2, seed=2)
+    arms = [DrafterModelArm(drafter, GREEDY, 5), DrafterModelArm(model, GREEDY, 5)]  # weak, and perfect
+    eng = SpecEngine(Target(model), arms, Verifier(GREEDY), step_time=1.0)
+    ctl = build_length("cost:confidence=true")
+    lengths = set()
+    for prompt in ([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [3, 3, 3]):
+        gen = eng.generate(prompt, build_policy("random", 2, 5, seed=2), 40, length=ctl)
+        assert gen.tokens == plain_greedy(model, prompt, 40)
+        lengths |= {r.drafted for r in gen.rounds}
+    assert len(lengths) > 1 and ctl.calib  # confidences were seen and the lengths vary
