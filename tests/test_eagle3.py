@@ -8,7 +8,7 @@ import torch
 
 from decode.arms import ArmEnv, build_arm
 from decode.arms.eagle import EagleArm
-from decode.arms.eagle_tree import EagleTreeArm
+from decode.arms.eagle.tree import EagleTreeArm
 from decode.engine import SpecEngine
 from decode.errors import UserError
 from decode.heads import EagleHead, load_head, save_head

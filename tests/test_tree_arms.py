@@ -6,7 +6,7 @@ import torch
 
 from decode.arms import ArmEnv, build_arm
 from decode.arms.eagle import EagleArm
-from decode.arms.eagle_tree import EagleChainsArm, EagleTreeArm
+from decode.arms.eagle.tree import EagleChainsArm, EagleTreeArm
 from decode.arms.model import DrafterModelArm
 from decode.arms.union import UnionArm, sub_specs
 from decode.engine import SpecEngine

@@ -1,5 +1,5 @@
 """Tree drafts from an EAGLE head (ALGORITHMS.md §7): EAGLE-2 dynamic trees, and K i.i.d. sampled
-chains (SpecTr's setting). Specs (built by the ``eagle`` arm's factory, decode/arms/eagle.py):
+chains (SpecTr's setting). Specs (built by the ``eagle`` arm's factory, decode/arms/eagle/__init__.py):
 ``eagle:path=HEAD,tree=dynamic,L=4,nodes=16,topk=4`` or ``eagle:path=HEAD,L=4,K=4``.
 
 Dynamic tree (EAGLE-2): the tree grows layer by layer; a node's value is the product of the head's
@@ -12,7 +12,7 @@ Children are deterministic top-k choices, so the draft is one-hot (``q`` None) a
 exact in sampling mode too (recursive rejection sampling with one-hot q).
 
 Everything else (true features, the head cache holding only true entries) is the chain arm's
-(decode/arms/eagle.py); the tree's head-cache entries are cropped after drafting like the chain's.
+(decode/arms/eagle/chain.py); the tree's head-cache entries are cropped after drafting like the chain's.
 Length controllers do not apply to the dynamic tree (``keep_going`` is ignored): depth L and the node
 budget are the knobs. K chains: decode/tree.py ``sample_chains``, one head forward per depth.
 EAGLE-3 (fused) heads need nothing else: tree nodes feed the head's recurrent output back exactly as they feed
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from ..draft import Draft
-from ..sampling import probs
-from ..target import check_tree_support
-from ..tree import sample_chains, tree_attention
-from .eagle import EagleArm
+from ...draft import Draft
+from ...sampling import probs
+from ...target import check_tree_support
+from ...tree import sample_chains, tree_attention
+from .chain import EagleArm
 
 
 class _EagleTreeBase(EagleArm):

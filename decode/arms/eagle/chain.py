@@ -21,17 +21,14 @@ rows of the target's LM head cached on the head at load, mapped back to target i
 """
 from __future__ import annotations
 
-from typing import Annotated
-
 import torch
 
-from ..draft import Draft
-from ..errors import UserError
-from ..heads import EagleHead, load_head
-from ..sampling import SamplingConfig, choose_token
-from ..target import KVCache, layer_features
-from ..specs import Range
-from .base import Arm, ArmEnv, register
+from ...draft import Draft
+from ...errors import UserError
+from ...heads import EagleHead
+from ...sampling import SamplingConfig, choose_token
+from ...target import KVCache, layer_features
+from ..base import Arm
 
 
 class EagleArm(Arm):
@@ -189,29 +186,3 @@ class EagleArm(Arm):
         if self.target_hidden is None:
             raise UserError("Cali-TS needs the target's hidden states (Target(want_hidden=True))")
         return self.target_hidden, self.draft_hidden[i - 1]
-
-
-TREES = ("chain", "dynamic")
-
-
-@register("eagle")
-def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None,
-          K: Annotated[int, Range(1)] = 1, tree: str = "chain", nodes: Annotated[int, Range(1)] = 16,
-          topk: Annotated[int, Range(1)] = 4):
-    """``eagle:path=HEAD,L=4`` a chain; ``K=k``: k i.i.d. sampled chains verified together (SpecTr k-Seq);
-    ``tree=dynamic,nodes=N,topk=k``: EAGLE-2's dynamic tree (decode/arms/eagle_tree.py)."""
-    if tree not in TREES:
-        raise UserError(f"eagle: tree must be chain (default; K=k for k sampled chains) or dynamic (EAGLE-2, "
-                        f"with nodes=N,topk=k), got '{tree}'")
-    if tree == "dynamic" and K > 1:
-        raise UserError("eagle: K=k (sampled chains) and tree=dynamic (EAGLE-2) are two tree shapes; pick one")
-    head = load_head(path, env.target_model, expect="eagle")
-    if env.target is not None:
-        env.target.want_hidden = True
-    kw = dict(generator=env.generator, label=name, target=env.target, cache=env.cache)
-    if tree == "dynamic" or K > 1:
-        from .eagle_tree import EagleChainsArm, EagleTreeArm
-        if tree == "dynamic":
-            return EagleTreeArm(head, env.target_model, env.sampling, L, nodes, topk, **kw)
-        return EagleChainsArm(head, env.target_model, env.sampling, L, K, **kw)
-    return EagleArm(head, env.target_model, env.sampling, L, **kw)
