@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .hidden import HiddenStates
 
 
 @dataclass
@@ -179,4 +183,4 @@ class StepResult:
     tokens: list[int]  # the tokens appended to the context this round (after EOS/budget truncation)
     record: RoundRecord | None
     times: StepTimes
-    hidden: torch.Tensor | None = None  # target hidden states at [last token] + accepted drafts, when computed
+    hidden: "HiddenStates | None" = None  # the target's at [last token] + accepted drafts, when computed

@@ -21,6 +21,7 @@ from .cost import CostCurve, probe
 from .device import synchronize
 from .draft import RoundRecord, StepResult, StepTimes
 from .errors import UserError
+from .hidden import HiddenStates
 from .linear import linear_model, pack_arm_linears
 from .feedback import CounterfactualScorer, PendingRound
 from .length import LengthController
@@ -231,8 +232,8 @@ class SpecEngine:
         t4 = self._clock()
         hidden = None
         if scored.hidden is not None:
-            hidden = (scored.hidden[:outcome.accepted + 1] if outcome.path is None
-                      else scored.hidden[[0] + [i + 1 for i in outcome.path]])
+            hidden = scored.hidden.rows(slice(0, outcome.accepted + 1) if outcome.path is None
+                                        else [0] + [i + 1 for i in outcome.path])
         times = StepTimes(t0 - t_sel, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
         if live_feedback:
             times.feedback = t_sel - t_start
@@ -269,15 +270,14 @@ class SpecEngine:
         state.times.append(times)
         return StepResult(i, draft, outcome, new, rec, times, hidden)
 
-    def commit(self, state: DecodeState, tokens: list[int], hidden: torch.Tensor | None = None) -> None:
+    def commit(self, state: DecodeState, tokens: list[int], hidden: HiddenStates | None = None) -> None:
         """Append ``tokens`` to the query and let the length controller and every arm observe them
         (``hidden``: the target's hidden states at the positions that produced them, last row last).
         The target cache must already hold the new context minus its last token."""
         state.ctx.extend(tokens)
         state.tokens.extend(tokens)
         if hidden is not None:
-            # columns [:d] are the post-norm final state; fused EAGLE-3 arms widen the rows (Target.request_hidden)
-            state.length.observe_target(hidden[-1, :self.target.hidden_size])
+            state.length.observe_target(hidden.final[-1])
         for a in self.arms:
             a.observe(state.ctx, hidden if a.uses_target_hidden else None)
 

@@ -52,6 +52,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from .draft import Draft
+from .hidden import HiddenStates, LayerSelector, check_hidden_layers, layer_runs
 from .errors import UserError
 from .tree import tree_attention
 from .compiled import CompiledForward
@@ -63,30 +64,7 @@ CACHE_BUCKET = 256  # static allocations are multiples of this many slots (max_c
 @dataclass
 class ScoreResult:
     logits: torch.Tensor  # [L+1, V] at [last token] + draft
-    # [L+1, d·len(Target.hidden_layers)] when requested: the requested layers side by side; the first d
-    # columns are always the post-norm final hidden state (the default request: layers (-1,))
-    hidden: torch.Tensor | None
-
-
-FINAL = -1  # a hidden-state layer id: the post-norm final hidden state (the LM head's input)
-
-
-def check_hidden_layers(layers, n_layers: int, what: str) -> tuple[int, ...]:
-    """Validated layer ids into HF's ``hidden_states`` (0 = embeddings, i = output of layer i, ``n_layers`` =
-    the final state after the norm; -1 = the same final state)."""
-    layers = tuple(int(i) for i in layers)
-    bad = [i for i in layers if not (i == FINAL or 0 <= i <= n_layers)]
-    if not layers or bad:
-        raise UserError(f"{what}: hidden-state layers must be -1 (post-norm final) or 0..{n_layers} (0 = embeddings, "
-                        f"i = output of layer i) for this {n_layers}-layer target, got {list(layers)}")
-    return layers
-
-
-def layer_features(hidden_states, layers: tuple[int, ...]) -> torch.Tensor:
-    """The requested entries of an HF ``hidden_states`` tuple side by side on the last dim ([..., d·len])."""
-    if len(layers) == 1:
-        return hidden_states[layers[0]]
-    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+    hidden: HiddenStates | None  # at the same L+1 positions when the target computes hidden states
 
 
 def crop_cache(cache, keep: int) -> None:
@@ -289,9 +267,9 @@ class Target:
     allocation (None = sized per prompt from ``prefill``'s capacity, growing when needed);
     compile: torch.compile the verification forward (static cache only).
 
-    Hidden states (``want_hidden``): every forward returns the rows of ``hidden_layers`` side by side, by
-    default the post-norm final state only; an arm that drafts from other layers (EAGLE-3 fusion) adds them with
-    :meth:`request_hidden` and reads its own columns. Columns ``[:hidden_size]`` always hold the final state."""
+    Hidden states (``want_hidden``): every forward returns :class:`~decode.hidden.HiddenStates`, the post-norm
+    final state and, in ``extra``, the ``extra_layers`` arms asked for with :meth:`request_hidden` (EAGLE-3
+    fusion); each arm reads its own layers through the selector that call returned."""
 
     def __init__(self, model, tokenizer=None, *, want_hidden: bool = False, cache: str = "dynamic",
                  max_cache_len: int | None = None, compile: bool = False):
@@ -309,29 +287,30 @@ class Target:
         self.compiled = CompiledForward(model) if compile else None
         self.linear = "stock"  # how ``model``'s linears run (decode/linear.py); build_engine records "onednn"
         self.forwards = 0
-        self.prefill_hidden = None
-        # layers of ScoreResult.hidden / prefill_hidden, in column order (d columns each); (-1,) = the post-norm
-        # final state only. Arms add theirs with request_hidden; the final state stays first (columns :d)
-        self.hidden_layers: tuple[int, ...] = (FINAL,)
+        self.prefill_hidden: HiddenStates | None = None
+        # layers of HiddenStates.extra besides the final state, in column order (d columns each); arms add
+        # theirs with request_hidden
+        self.extra_layers: tuple[int, ...] = ()
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_hidden_layers
 
-    def request_hidden(self, layers) -> slice:
-        """Ask for the hidden states of ``layers`` (ids as in :func:`check_hidden_layers`) in every forward and
-        return the columns of ``ScoreResult.hidden`` / ``prefill_hidden`` that hold them, in that order. Turns
-        ``want_hidden`` on. The request is added to the union (a run of layers already there is reused; a new
-        one is appended, so earlier slices stay valid): EAGLE-1 and EAGLE-3 arms can share one target."""
+    def request_hidden(self, layers) -> LayerSelector:
+        """Ask for the hidden states of ``layers`` (ids as in :func:`~decode.hidden.check_hidden_layers`) in every
+        forward and return the selector that reads them, in that order, from the :class:`HiddenStates` this
+        target yields. Turns ``want_hidden`` on. Layers other than the final state are added to ``extra_layers``
+        (a run already there is reused; a new one is appended, so earlier selectors stay valid): EAGLE-1 and
+        EAGLE-3 arms can share one target."""
         layers = check_hidden_layers(layers, self.num_layers, "Target.request_hidden")
-        have, n = self.hidden_layers, len(layers)
-        start = next((i for i in range(len(have) - n + 1) if have[i:i + n] == layers), None)
-        if start is None:
-            start, self.hidden_layers = len(have), have + layers
+        have = self.extra_layers
+        for run in filter(None, layer_runs(layers)):
+            if not any(have[k:k + len(run)] == run for k in range(len(have) - len(run) + 1)):
+                have = have + run
+        self.extra_layers = have
         self.want_hidden = True
-        d = self.hidden_size
-        return slice(start * d, (start + n) * d)
+        return LayerSelector(layers, self.extra_layers, self.hidden_size)
 
-    def _hidden(self, out) -> torch.Tensor | None:
-        return layer_features(out.hidden_states, self.hidden_layers)[0] if self.want_hidden else None
+    def _hidden(self, out) -> HiddenStates | None:
+        return HiddenStates.from_hf(out.hidden_states, self.extra_layers) if self.want_hidden else None
 
     @property
     def cache(self):
@@ -392,7 +371,7 @@ class Target:
             raise ValueError(f"capacity {capacity} is smaller than the prompt ({len(prompt_ids)} tokens)")
         self.kv.start(capacity, minimum=len(prompt_ids))
         self.forwards = 0
-        self.prefill_hidden = None  # [len(prompt)-1, d·len(hidden_layers)] hidden states when want_hidden
+        self.prefill_hidden = None  # HiddenStates at the len(prompt)-1 cached positions when want_hidden
         if len(prompt_ids) > 1:
             out = self._forward(prompt_ids[:-1], hidden=self.want_hidden)
             self.prefill_hidden = self._hidden(out)

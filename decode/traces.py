@@ -142,7 +142,7 @@ def dense_trace(engine: SpecEngine, prompt_ids: list[int], tokens: list[int], ma
                 res = engine.step(state, j, counterfactual=True, keep=n if j == K - 1 else None)
                 steps.append(arm_step(res))
                 if hidden is None and res.hidden is not None:
-                    hidden = res.hidden[:1]
+                    hidden = res.hidden.rows(slice(0, 1))
                 k = min(len(res.outcome.tokens), len(tokens) - m)
                 if engine.verifier.cfg.greedy and res.outcome.tokens[:k] != tokens[m:m + k]:
                     tr.mismatches += 1

@@ -92,16 +92,20 @@ def test_fused_head_round_trip_and_old_head_json_loads(tmp_path):
 # --------------------------------------------------------------------------- Target: union of hidden layers
 
 
-def test_target_hidden_layers_union_and_columns():
+def test_target_hidden_layers_union_and_selectors():
+    """The target computes the union of the requested layers once; each request's selector reads its own
+    layers, in its order, whatever was requested before or after it."""
     model = tiny_llama(layers=4, seed=2)
     t = Target(model)
-    d = model.config.hidden_size
-    assert t.hidden_layers == (-1,) and not t.want_hidden
-    assert t.request_hidden(LAYERS) == slice(d, 4 * d) and t.want_hidden
-    assert t.request_hidden((-1,)) == slice(0, d)  # the post-norm final state stays first
-    assert t.request_hidden((2, 3)) == slice(2 * d, 4 * d)  # a run already there is reused
-    assert t.request_hidden((3, 1)) == slice(4 * d, 6 * d)  # else appended: earlier slices stay valid
-    assert t.hidden_layers == (-1, 1, 2, 3, 3, 1)
+    assert t.extra_layers == () and not t.want_hidden
+    sel = {LAYERS: t.request_hidden(LAYERS)}
+    assert t.want_hidden and t.extra_layers == LAYERS
+    sel[(-1,)] = t.request_hidden((-1,))  # the post-norm final state is HiddenStates.final, never in extra
+    sel[(2, 3)] = t.request_hidden((2, 3))  # a run already there is reused
+    assert t.extra_layers == LAYERS
+    sel[(3, 1)] = t.request_hidden((3, 1))  # else appended: earlier selectors stay valid
+    sel[(2, -1, 1)] = t.request_hidden((2, -1, 1))  # FINAL between layers
+    assert t.extra_layers == (1, 2, 3, 3, 1)
     with pytest.raises(UserError, match="0..4"):
         t.request_hidden((5,))
     prompt = [3, 1, 4, 1, 5, 9]
@@ -109,10 +113,13 @@ def test_target_hidden_layers_union_and_columns():
     res = t.score(prompt[-1], torch.tensor([2, 6]))
     with torch.no_grad():
         hs = model(torch.tensor([prompt + [2, 6]]), output_hidden_states=True).hidden_states
-    want = torch.cat([hs[i][0] for i in t.hidden_layers], -1)
-    assert res.hidden.shape == (3, 6 * d) and t.prefill_hidden.shape == (5, 6 * d)
-    assert torch.allclose(t.prefill_hidden, want[:5], atol=1e-5)
-    assert torch.allclose(res.hidden, want[5:], atol=1e-5)
+    assert res.hidden.final.shape == (3, d := model.config.hidden_size) and res.hidden.extra.shape == (3, 5 * d)
+    assert len(t.prefill_hidden) == 5
+    for layers, select in sel.items():
+        want = torch.cat([hs[i][0] for i in layers], -1)
+        assert torch.allclose(select(t.prefill_hidden), want[:5], atol=1e-5), layers
+        assert torch.allclose(select(res.hidden), want[5:], atol=1e-5), layers
+    assert torch.allclose(res.hidden.final, hs[-1][0, 5:], atol=1e-5)
 
 
 # --------------------------------------------------------------------------- training-time test
@@ -309,8 +316,8 @@ def test_pool_of_eagle1_and_eagle3_arms_shares_one_target():
     e3 = EagleArm(_head(model, fused=True, seed=4), model, GREEDY, L=4, target=target, label="e3")
     tree = EagleTreeArm(_head(model, fused=True, seed=5), model, GREEDY, L=3, nodes=8, topk=2, target=target)
     suffix = build_arm("suffix:L=3,min_match=1", ArmEnv(model, None, GREEDY))
-    assert target.hidden_layers == (-1, *LAYERS)
-    assert e1.columns == slice(0, 32) and e3.columns == tree.columns == slice(32, 128)
+    assert target.extra_layers == LAYERS
+    assert e1.select.parts == [None] and e3.select.parts == tree.select.parts == [slice(0, 96)]
     eng = _engine(model, [e1, e3, tree, suffix], target)
     assert target.want_hidden
     for prompt in ([1, 2, 3, 4, 5, 1, 2, 3], [7, 9, 11]):
@@ -335,7 +342,7 @@ def test_eagle_factory_builds_fused_heads_from_a_folder(tmp_path):
     target = Target(model)
     env = ArmEnv(model, None, GREEDY, target=target)
     arm = build_arm(f"eagle:path={tmp_path / 'e3'},L=3,tree=dynamic,nodes=6,topk=2", env)
-    assert arm.head.fused and target.hidden_layers == (-1, *LAYERS) and target.want_hidden
+    assert arm.head.fused and target.extra_layers == LAYERS and target.want_hidden
     eng = _engine(model, [arm], target)
     prompt = [2, 4, 6, 8, 2, 4]
     assert eng.generate(prompt, build_policy("fixed:arm=0", 1, eng.max_len, seed=0), 20).tokens == \
@@ -383,7 +390,7 @@ def test_eagle3_recipe_trains_from_the_cli_then_decodes_losslessly(tiny_distille
 
 def test_cali_ts_and_early_exit_read_the_final_state_beside_a_fused_arm():
     """A fused EAGLE-3 arm widens the Target's hidden rows; the length controller (Cali-TS) and the early-exit
-    arm keep reading the post-norm final state (columns [:d]), and decoding stays lossless."""
+    arm keep reading the post-norm final state (HiddenStates.final), and decoding stays lossless."""
     from decode.heads import EarlyExitDrafter
     from decode.arms.early_exit import EarlyExitArm
     from decode.length import build_length
@@ -393,7 +400,7 @@ def test_cali_ts_and_early_exit_read_the_final_state_beside_a_fused_arm():
     target = Target(model, want_hidden=True)
     arms = [EagleArm(head, model, GREEDY, L=3, target=target),
             EarlyExitArm(EarlyExitDrafter(model, 1), GREEDY, L=3, target=target)]
-    assert target.hidden_layers != (-1,)
+    assert target.extra_layers != ()
     eng = SpecEngine(target, arms, Verifier(GREEDY))
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     gen = eng.generate(prompt, build_policy("random", 2, eng.max_len, seed=0), 24,

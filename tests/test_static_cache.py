@@ -54,7 +54,7 @@ def test_stale_entries_beyond_the_pointer_are_never_read():
     r = t.score(ctx2[-1], torch.tensor([20, 21]))
     logits, hidden = _fresh(model, ctx2 + [20, 21], 3)
     torch.testing.assert_close(r.logits, logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(r.hidden, hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r.hidden.final, hidden, atol=1e-5, rtol=1e-5)
     # roll back below the prefix the last rounds started from (traces do this), then go on
     t.rollback(len(ctx) - 3)
     ctx3 = ctx[:len(ctx) - 2]
@@ -76,12 +76,13 @@ def test_static_and_dynamic_give_the_same_logits_round_after_round(make):
     ctx = list(prompt)
     for t in ts.values():
         t.prefill(ctx)
-    torch.testing.assert_close(ts["static"].prefill_hidden, ts["dynamic"].prefill_hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ts["static"].prefill_hidden.final, ts["dynamic"].prefill_hidden.final,
+                               atol=1e-5, rtol=1e-5)
     for L in [0, 4, 2, 6, 1, 3, 0, 5]:
         draft = torch.randint(0, 64, (L,), generator=g)
         rs = {k: t.score(ctx[-1], draft) for k, t in ts.items()}
         torch.testing.assert_close(rs["static"].logits, rs["dynamic"].logits, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(rs["static"].hidden, rs["dynamic"].hidden, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rs["static"].hidden.final, rs["dynamic"].hidden.final, atol=1e-5, rtol=1e-5)
         acc = int(torch.randint(0, L + 1, (1,), generator=g))
         new = draft[:acc].tolist() + [int(rs["dynamic"].logits[acc].argmax())]
         n = len(ctx)

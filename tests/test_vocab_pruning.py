@@ -237,7 +237,7 @@ def _mutant_q_unnormalised(tok, q, vocab):
 @pytest.mark.parametrize("mutant", [_mutant_q_unmapped, _mutant_q_unnormalised])
 def test_sampling_check_rejects_a_wrong_q(monkeypatch, mutant):
     """The chi-square check above has power against the two ways a pruned q goes wrong."""
-    import decode.arms.eagle as eagle_arm
+    import decode.arms.eagle.chain as eagle_arm
 
     eng, target, cfg, vocab = _sampling_setup("eagle")
     real = eagle_arm.choose_token

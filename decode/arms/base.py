@@ -13,6 +13,7 @@ from ..registry import Registry
 from ..specs import parse_spec
 
 if TYPE_CHECKING:
+    from ..hidden import HiddenStates
     from ..target import Target
 
 # keep_going(position i (0-based), drafter's distribution row or None) -> draft another token?
@@ -56,8 +57,9 @@ class Arm:
     def propose(self, context: list[int], max_len: int, keep_going: KeepGoing | None = None) -> Draft:
         raise NotImplementedError
 
-    def observe(self, context: list[int], hidden: torch.Tensor | None = None) -> None:
-        """Called after each round with the committed context (and target hidden states if asked)."""
+    def observe(self, context: list[int], hidden: "HiddenStates | None" = None) -> None:
+        """Called after each round with the committed context (and the target's hidden states at the positions
+        that produced the new tokens, last row last, if asked: ``uses_target_hidden``)."""
 
     def set_sampling(self, cfg: SamplingConfig) -> None:
         """Draft under ``cfg`` from the next proposal on (a server changes it per request). Arms that

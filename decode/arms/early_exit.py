@@ -55,7 +55,7 @@ class EarlyExitArm(DrafterModelArm):
     def propose(self, context, max_len, keep_going=None) -> Draft:
         self.draft_hidden = []
         if self.target_hidden is None and self.target is not None and self.target.prefill_hidden is not None:
-            self.target_hidden = self._final(self.target.prefill_hidden[-1])
+            self.target_hidden = self.target.prefill_hidden.final[-1].float()
         def with_hidden(i, row=None):  # hand the controller the hidden state behind token i-1 (Cali-TS)
             return keep_going(i, row, hidden=self.draft_hidden[i - 1])
         draft = super().propose(context, max_len, None if keep_going is None else with_hidden)
@@ -63,14 +63,9 @@ class EarlyExitArm(DrafterModelArm):
             draft.hidden = torch.stack(self.draft_hidden[:len(draft)])
         return draft
 
-    def _final(self, row: torch.Tensor) -> torch.Tensor:
-        """The post-norm final state: a target's first ``hidden_size`` columns (fused EAGLE-3 arms in the same
-        pool widen its rows with other layers, Target.request_hidden)."""
-        return row[:self.model.model.config.hidden_size].float()
-
     def observe(self, context, hidden=None):
         if hidden is not None and len(hidden):
-            self.target_hidden = self._final(hidden[-1])
+            self.target_hidden = hidden.final[-1].float()
 
     def calibration_features(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(H_t^(T), H_{t+i}^(D)) for the i-th (1-based) token of the draft being built."""

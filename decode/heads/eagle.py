@@ -49,7 +49,7 @@ from torch import nn
 from ..errors import UserError
 from ..linear import packed_linear
 from ..vocab import DraftVocab
-from ..target import check_hidden_layers
+from ..hidden import check_hidden_layers
 from .common import DraftVocabMixin, Head, base_model, build_stack, clone_layer, sub_config
 
 

@@ -41,7 +41,7 @@ from transformers import DynamicCache
 from decode.errors import UserError
 from decode.heads import EagleHead
 from decode.heads.eagle import eagle3_layers
-from decode.target import layer_features
+from decode.hidden import layer_features
 
 from .data import collator
 from .features import FeatureCacheSection, with_feature_cache

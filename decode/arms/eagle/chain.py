@@ -11,8 +11,8 @@ that crop moves a pointer.
 Per draft with m committed tokens: feed the missing true entries up to j = m-2 in one forward
 (its last output predicts f_{m-1} → draft token 1), then one head step per further token.
 
-EAGLE-3 heads (``EagleHead.fused``): the arm asks the Target for the head's layers (``Target.request_hidden``;
-other arms' layers may sit beside them in the rows it is given, it keeps its own columns), stores those raw
+EAGLE-3 heads (``EagleHead.fused``): the arm asks the Target for the head's layers (``Target.request_hidden``,
+whose selector reads them from the HiddenStates the engine hands ``observe``), stores those raw
 rows, and builds true entries from g = ``head.input_features(rows)``; draft steps feed the head's own output h
 back, exactly as the EAGLE-1 path feeds its predicted feature (the head's ``logits`` applies its norm).
 
@@ -27,7 +27,8 @@ from ...draft import Draft
 from ...errors import UserError
 from ...heads import EagleHead
 from ...sampling import SamplingConfig, choose_token
-from ...target import KVCache, layer_features
+from ...hidden import FINAL, HiddenStates, LayerSelector, layer_features
+from ...target import KVCache
 from ..base import Arm
 
 
@@ -57,10 +58,15 @@ class EagleArm(Arm):
 
     @target.setter
     def target(self, target) -> None:
-        """Linking a Target (here or later) asks it for the head's layers; ``columns`` = where they sit in its
-        hidden rows. Without a Target, whoever calls ``observe`` passes exactly the head's layers."""
+        """Linking a Target (here or later) asks it for the head's layers; ``select`` reads them from the
+        HiddenStates it yields. Without a Target, whoever calls ``observe`` passes HiddenStates whose ``extra``
+        holds exactly the head's layers other than FINAL, in order."""
         self._target = target
-        self.columns = target.request_hidden(self.layers) if target is not None else slice(None)
+        if target is not None:
+            self.select = target.request_hidden(self.layers)
+        else:
+            d = self.target_model.get_input_embeddings().weight.shape[1]
+            self.select = LayerSelector(self.layers, tuple(i for i in self.layers if i != FINAL), d)
 
     @property
     def label(self) -> str:
@@ -87,8 +93,8 @@ class EagleArm(Arm):
     def _take_prefill(self) -> None:
         """The prompt's features come free with the engine's prefill (Target.prefill_hidden)."""
         pf = getattr(self.target, "prefill_hidden", None) if self.target is not None else None
-        if self.feats is None and pf is not None and pf.shape[0] == self.prompt_len - 1:
-            self._append_feats(0, pf[:, self.columns])
+        if self.feats is None and pf is not None and len(pf) == self.prompt_len - 1:
+            self._append_feats(0, self.select(pf))
 
     @torch.inference_mode()
     def _fill_missing(self, context: list[int]) -> None:
@@ -102,7 +108,7 @@ class EagleArm(Arm):
             self.target_forwards += 1
             self.feats = layer_features(out.hidden_states, self.layers)[0].float()
 
-    def observe(self, context, hidden=None):
+    def observe(self, context, hidden: HiddenStates | None = None):
         if hidden is None:
             raise UserError("the eagle arm needs the target's hidden states: build the Target with "
                             "want_hidden=True (or pass it as ArmEnv.target so the arm can switch it on)")
@@ -110,18 +116,9 @@ class EagleArm(Arm):
         n = self.prev_len
         keep = max(0, min(len(hidden), len(context) - n + 1))
         if keep:
-            self._append_feats(n - 1, hidden[:keep, self.columns])
-            # Cali-TS's H_t^(T) is the post-norm final state: a linked Target's rows always start with it
-            final = self._final_columns()
-            self.target_hidden = None if final is None else hidden[keep - 1, final].float()
+            self._append_feats(n - 1, self.select(hidden.rows(slice(0, keep))))
+            self.target_hidden = hidden.final[keep - 1].float()  # Cali-TS's H_t^(T): the post-norm final state
         self.prev_len = len(context)
-
-    def _final_columns(self) -> slice | None:
-        """Where the post-norm final state sits in the rows ``observe`` gets (None: they do not hold it, a fused
-        head's rows without a linked Target)."""
-        if self.target is not None:
-            return slice(0, self.target.hidden_size)
-        return None if self.head.fused else slice(None)
 
     # -- drafting -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -180,7 +177,7 @@ class EagleArm(Arm):
         if self.target_hidden is None:  # first round: the prompt's last row
             pf = getattr(self.target, "prefill_hidden", None) if self.target is not None else None
             if pf is not None:
-                self.target_hidden = pf[-1, self._final_columns()].float()
+                self.target_hidden = pf.final[-1].float()
             elif not self.head.fused and self.feats is not None:  # EAGLE-1's features are that final state
                 self.target_hidden = self.feats[-1]
         if self.target_hidden is None:
