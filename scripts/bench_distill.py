@@ -15,14 +15,14 @@ import time
 
 import torch
 
-from decode.device import DEVICES, DTYPES, dtype_name, synchronize
-from decode.errors import run_user_command
-from decode.io import atomic_write_json
-from decode.models import DEFAULT_TARGET, load_model
-from decode.sampling import SamplingConfig
+from decode.common.device import DEVICES, DTYPES, dtype_name, synchronize
+from decode.common.errors import run_user_command
+from decode.common.io import atomic_write_json
+from decode.core.models import DEFAULT_TARGET, load_model
+from decode.core.sampling import SamplingConfig
 from toolkit.data.sources import GSM8KSource, iter_source
 from toolkit.data.templates import Template
-from decode.models import eos_token_ids
+from decode.core.models import eos_token_ids
 from toolkit.distill import generate_batch
 
 

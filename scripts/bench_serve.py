@@ -1,6 +1,6 @@
 """What serving over HTTP costs, and how the server holds up under concurrent clients.
 
-One server runs in this process (``decode.serve.command.RunningServer``, the same code ``python -m decode
+One server runs in this process (``decode.commands.serve.command.RunningServer``, the same code ``python -m decode
 serve`` runs). Phase 1, per prompt and interleaved (rotated order): the engine decoding directly (what
 ``decode generate`` measures: prefill + rounds), the same prompt through ``/v1/chat/completions``, and the
 same prompt streamed; tokens/s of each and their ratio, greedy outputs checked identical. Phase 2: a bounded
@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import openai  # noqa: E402
 import torch  # noqa: E402
 
-from decode.serve.command import RunningServer  # noqa: E402
-from decode.suites import encode_prompt, load_jsonl_suite  # noqa: E402
+from decode.commands.serve.command import RunningServer  # noqa: E402
+from decode.evaluation.suites import encode_prompt, load_jsonl_suite  # noqa: E402
 
 DEV = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / "question_dev.jsonl"
 

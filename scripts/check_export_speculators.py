@@ -69,7 +69,7 @@ def write_case(folder: Path) -> None:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from decode.heads import EagleHead
+    from decode.choose.heads import EagleHead
     from toolkit.export_formats import speculators_layout, write_layout
 
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode.errors import UserError, run_user_command  # noqa: E402
+from decode.common.errors import UserError, run_user_command  # noqa: E402
 
 
 def check_task(argv: list[str]) -> int:

@@ -22,13 +22,13 @@ def one_thread():
 @pytest.fixture(scope="session")
 def smol_path():
     """Local folder of the default target (GGUF converted once into the user cache)."""
-    from decode.models import DEFAULT_TARGET, resolve_path
+    from decode.core.models import DEFAULT_TARGET, resolve_path
     return resolve_path(DEFAULT_TARGET)
 
 
 @pytest.fixture(scope="session")
 def smol(smol_path):
-    from decode.models import load_model
+    from decode.core.models import load_model
     return load_model(smol_path)
 
 

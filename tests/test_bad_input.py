@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from decode.arms import ArmEnv, build_arm
-from decode.cli import main as decode_main
-from decode.errors import UserError
-from decode.length import build_length
-from decode.policies import build_policy
-from decode.sampling import SamplingConfig
+from decode.choose.arms import ArmEnv, build_arm
+from decode.commands.cli import main as decode_main
+from decode.common.errors import UserError
+from decode.choose.length import build_length
+from decode.choose.policies import build_policy
+from decode.core.sampling import SamplingConfig
 from helpers import TinyTokenizer, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ def test_distill_recipe_ranges_name_the_recipe_field(override, needle):
 # --------------------------------------------------------------------------- pools
 
 def test_pool_error_for_an_untrained_drafter_names_its_task_not_its_label(tmp_path):
-    from decode.pools import load_pool
+    from decode.engine.pools import load_pool
 
     pool = tmp_path / "pool.yaml"
     pool.write_text(yaml.safe_dump({"drafters": [

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from decode.cli import main
+from decode.commands.cli import main
 
 PHASES = ("draft", "target_forward", "verify", "rollback", "bookkeeping", "other")
 
@@ -55,14 +55,14 @@ def test_bench_round_breaks_every_arm_round_into_phases(tiny_target_dir, tmp_pat
             assert c["fraction"] == pytest.approx(c["draft_ms_per_token"] / c["target_step_ms"], rel=1e-6)
 
     # the rounds are the engine's own: a plain generate of the same prompt with the same arm agrees
-    from decode.arms import ArmEnv, build_arm
-    from decode.engine import SpecEngine
-    from decode.models import load_model
-    from decode.policies.simple import Fixed
-    from decode.sampling import SamplingConfig
-    from decode.suites import BUILTIN, encode_prompt
-    from decode.target import Target
-    from decode.verify import Verifier
+    from decode.choose.arms import ArmEnv, build_arm
+    from decode.engine.loop import SpecEngine
+    from decode.core.models import load_model
+    from decode.choose.policies.simple import Fixed
+    from decode.core.sampling import SamplingConfig
+    from decode.evaluation.suites import BUILTIN, encode_prompt
+    from decode.core.target import Target
+    from decode.core.verify import Verifier
     model, tok = load_model(tiny_target_dir)
     env = ArmEnv(model, tok, SamplingConfig())
     arms = [build_arm(s, env) for s in rep["config"]["arm_specs"]]

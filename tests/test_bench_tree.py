@@ -1,9 +1,9 @@
 """bench-tree: the forward-cost-vs-nodes table (timings are printed, never asserted)."""
 import torch
 
-from decode.bench_tree import markdown_table, measure, random_tree
-from decode.target import Target
-from decode.tree import depths
+from decode.bench.bench_tree import markdown_table, measure, random_tree
+from decode.core.target import Target
+from decode.core.tree import depths
 from helpers import tiny_llama
 
 

@@ -97,7 +97,7 @@ def test_eval_length_controller_and_recorded_traces_replay(tiny_target_dir, tmp_
     assert rep["config"]["length"] == "beta-ts:alpha=2"
     assert "policy:thompson:carry=true" in rep["summary"]  # one policy object learnt across both prompts
     assert all(s["lossless"] for s in rep["summary"].values())
-    from decode.traces import load_traces
+    from decode.simulation.traces import load_traces
     tr = load_traces(traces)
     assert sorted(t.meta["category"] for t in tr) == ["chat", "code"]
     assert all(t.arm_labels == ["pld@3", "suffix@4"] and t.n_tokens > 0 for t in tr)
@@ -154,7 +154,7 @@ def test_drafter_with_another_vocabulary_is_rejected(tiny_target_dir, tmp_path):
 
 def test_run_user_command_exit_codes(capsys):
     """A body's int is its exit code; a summary (dict/None) is success; UserError → 2; Ctrl-C → 130."""
-    from decode.errors import UserError, run_user_command
+    from decode.common.errors import UserError, run_user_command
 
     assert run_user_command(lambda: {"train_seconds": 1.0}) == 0
     assert run_user_command(lambda: None) == 0
@@ -177,15 +177,15 @@ def test_run_user_command_exit_codes(capsys):
 @pytest.fixture
 def no_model(monkeypatch):
     """Fail loudly if a check that should come first only comes after loading the model."""
-    import decode.evaluate
+    import decode.evaluation.evaluate
 
     def refuse(*a, **k):
         raise AssertionError("model loaded before the input was validated")
-    monkeypatch.setattr(decode.evaluate, "load_model", refuse)
+    monkeypatch.setattr(decode.evaluation.evaluate, "load_model", refuse)
 
 
 def eval_error(capsys, *args) -> str:
-    from decode.cli import main
+    from decode.commands.cli import main
     assert main(["eval", "--no-progress", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err  # one line
@@ -259,10 +259,10 @@ def test_bad_suite_bytes_and_rows_name_the_file_and_line(no_model, capsys, tmp_p
 def test_every_subcommand_help_has_a_complete_description(capsys):
     """The description was the docstring's first line, which for eval stopped mid-sentence."""
     import importlib
-    import decode.cli
+    import decode.commands.cli
     import toolkit.cli
-    from decode.cli import describe
-    for cli in (decode.cli, toolkit.cli):
+    from decode.commands.cli import describe
+    for cli in (decode.commands.cli, toolkit.cli):
         for name, (module, help_text) in cli.COMMANDS.items():
             desc = describe(importlib.import_module(module).__doc__, help_text)
             assert desc.endswith("."), (name, desc)
@@ -276,7 +276,7 @@ def test_a_reader_closing_the_pipe_early_is_not_a_traceback():
     """`decode compare A B | head`: the reader goes away; we stop quietly (exit 141, like SIGPIPE)."""
     import subprocess
     import sys
-    code = ("import sys; from decode.errors import run_user_command; "
+    code = ("import sys; from decode.common.errors import run_user_command; "
             "sys.exit(run_user_command(lambda: [print('x' * 100) for _ in range(200000)]))")
     p = subprocess.run(f"{sys.executable} -c \"{code}\" | head -1", shell=True, capture_output=True, text=True,
                        executable="/bin/bash")

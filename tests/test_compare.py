@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from decode.cli import main
+from decode.commands.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["eval", "--no-progress", "--policies", "ucbspec", "--categories", "code,summarization"]
@@ -45,7 +45,7 @@ def test_an_eval_folder_records_config_versions_commit_and_figures(runs):
 
 
 def test_git_state_outside_a_checkout_is_unknown(tmp_path):
-    from decode.evaluate import git_state
+    from decode.evaluation.evaluate import git_state
     assert git_state(tmp_path) == {"git_commit": "unknown", "git_dirty": None}
 
 

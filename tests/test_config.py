@@ -7,7 +7,7 @@ from typing import Literal, Union
 
 import pytest
 
-from decode.errors import UserError
+from decode.common.errors import UserError
 from toolkit.config import apply_overrides, dump_yaml, from_dict, load_recipe, parse_override, to_dict
 
 
@@ -156,7 +156,7 @@ def test_scientific_notation_is_a_number_although_yaml_1_1_reads_it_as_text(tmp_
 def test_device_and_dtype_field_helpers_match_decode_device():
     import typing
 
-    from decode.device import DEVICES, DTYPES
+    from decode.common.device import DEVICES, DTYPES
     from toolkit.config import DEVICE_CHOICES, DTypeName, check_device_spec
 
     assert typing.get_args(DTypeName) == ("auto", *DTYPES) and DEVICE_CHOICES == DEVICES

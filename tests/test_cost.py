@@ -1,4 +1,4 @@
-"""The verification cost curve (decode/cost.py) and the cost-aware length controller (decode/length.py
+"""The verification cost curve (decode/core/cost.py) and the cost-aware length controller (decode/choose/length.py
 ``cost``): medians over a window, ratios to the one-token forward of the same context bucket, fallbacks,
 the argmax of expected tokens per cost, and greedy losslessness through the engine."""
 import itertools
@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from decode.arms import ArmEnv, build_arm
-from decode.cost import CostCurve, curve_summary, markdown_curve, probe, verification_forwards
-from decode.draft import Outcome, RoundRecord, StepTimes
-from decode.engine import SpecEngine
-from decode.errors import UserError
-from decode.length import CostAware, build_length
-from decode.policies import build_policy
-from decode.sampling import SamplingConfig
-from decode.target import Target
-from decode.verify import Verifier
+from decode.choose.arms import ArmEnv, build_arm
+from decode.core.cost import CostCurve, curve_summary, markdown_curve, probe, verification_forwards
+from decode.core.draft import Outcome, RoundRecord, StepTimes
+from decode.engine.loop import SpecEngine
+from decode.common.errors import UserError
+from decode.choose.length import CostAware, build_length
+from decode.choose.policies import build_policy
+from decode.core.sampling import SamplingConfig
+from decode.core.target import Target
+from decode.core.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 GREEDY = SamplingConfig()
@@ -204,7 +204,7 @@ def test_confidence_stopping_calibrates_the_drafters_confidence_and_stops_when_m
 
 
 def test_engine_with_confidence_stopping_is_greedy_lossless_and_varies_the_length(one_thread):
-    from decode.arms.model import DrafterModelArm
+    from decode.choose.arms.model import DrafterModelArm
     model, drafter = tiny_llama(layers=2, seed=1), tiny_llama(layers=2, seed=2)
     arms = [DrafterModelArm(drafter, GREEDY, 5), DrafterModelArm(model, GREEDY, 5)]  # weak, and perfect
     eng = SpecEngine(Target(model), arms, Verifier(GREEDY), step_time=1.0)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from decode.device import resolve_device, resolve_dtype, synchronize
-from decode.errors import UserError
+from decode.common.device import resolve_device, resolve_dtype, synchronize
+from decode.common.errors import UserError
 
 
 def test_auto_picks_cuda_bf16_only_with_a_gpu():

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from decode.errors import UserError
+from decode.common.errors import UserError
 from helpers import tiny_llama
 from test_train_drafter import distilled  # noqa: F401  (the tiny distilled math/code tasks fixture)
 from toolkit.diagonal import markdown, parse_drafters, verdicts
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def drafters(tmp_path_factory, tiny_target_dir):
     """math = the target itself, code and all = random drafters; exports as the trainer writes them, the
     recipes recording held-out fractions 0.3 (math, code) and 0.5 (all)."""
-    from decode.models import load_model
+    from decode.core.models import load_model
     from toolkit.export import export_model
 
     root = tmp_path_factory.mktemp("drafters")
@@ -37,7 +37,7 @@ def _spec(paths):
 
 def _reference(path, examples, d2t=None):
     """Top-1 agreement with the labels, computed directly (d2t: argmax over those columns only)."""
-    from decode.models import load_model
+    from decode.core.models import load_model
 
     model = load_model(path)[0]
     hits = n = 0
@@ -100,8 +100,8 @@ def test_labels_only_and_the_drafters_draft_vocabulary(tmp_path, tiny_target_dir
     subset (--vocab auto, as the arm drafts) or on the full vocabulary (--vocab none)."""
     import shutil
 
-    from decode.models import load_model
-    from decode.vocab import DraftVocab
+    from decode.core.models import load_model
+    from decode.core.vocab import DraftVocab
     from toolkit.cli import main
 
     pruned = tmp_path / "code_pruned"

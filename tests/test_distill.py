@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from decode.errors import UserError
-from decode.sampling import SamplingConfig
+from decode.common.errors import UserError
+from decode.core.sampling import SamplingConfig
 from toolkit.cli import main as toolkit_main
 from toolkit.data import sources as S
 from toolkit.data.filters import FilterConfig, first_match, tail_loop
@@ -45,7 +45,7 @@ def tok(smol_path):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_target_dir):
-    from decode.models import load_model
+    from decode.core.models import load_model
     return load_model(tiny_target_dir)
 
 
@@ -189,7 +189,7 @@ def test_hf_source_online_but_unreachable_fails_fast(monkeypatch):
 # ----------------------------------------------------------------------------- templates
 
 def test_template_matches_decode_eval_encoding(tok):
-    from decode.suites import encode_prompt
+    from decode.evaluation.suites import encode_prompt
     text, ids = Template().render(tok, "What is 2+2?")
     assert ids == encode_prompt(tok, "What is 2+2?")
     assert text.endswith("<|im_start|>assistant\n") and "What is 2+2?" in text
@@ -445,7 +445,7 @@ def test_cuda_without_a_gpu_is_one_line_before_anything_runs(tmp_path, tiny_targ
 def test_distill_loads_the_target_in_the_recipe_dtype_and_records_it(tmp_path, tiny_target_dir):
     """bfloat16 on the CPU: the target loads in bf16, rows are written, the manifest says so; the same
     command in float32 is a different run (the dtype changes the rows), a change of device is not."""
-    from decode.models import load_model
+    from decode.core.models import load_model
     from helpers import plain_greedy
 
     f = write_jsonl(tmp_path / "p.jsonl", [{"q": f"Question number {i}?"} for i in range(3)])

@@ -6,14 +6,14 @@ import json
 import pytest
 import torch
 
-from decode.arms import ArmEnv, build_arm
-from decode.arms.model import DrafterModelArm, DraftVocabLM, load_drafter_vocab
-from decode.engine import SpecEngine
-from decode.errors import UserError
-from decode.sampling import SamplingConfig
-from decode.target import Target
-from decode.verify import Verifier
-from decode.vocab import VOCAB_FILE, DraftVocab, count_tokens
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.model import DrafterModelArm, DraftVocabLM, load_drafter_vocab
+from decode.engine.loop import SpecEngine
+from decode.common.errors import UserError
+from decode.core.sampling import SamplingConfig
+from decode.core.target import Target
+from decode.core.verify import Verifier
+from decode.core.vocab import VOCAB_FILE, DraftVocab, count_tokens
 from helpers import plain_greedy, tiny_llama
 from test_vocab_pruning import PROMPT, PROMPTS, V, _decode, _excluding_half_of_greedy, _first_two_tokens_pvalue
 
@@ -136,7 +136,7 @@ def test_pruned_drafter_arm_samples_the_targets_distribution():
 
 def test_sampling_check_rejects_a_q_that_is_not_the_drafted_tokens_law(monkeypatch):
     """Power of the check above on this arm: q's subset mass moved to the wrong ids after the draw."""
-    import decode.arms.model as model_arm
+    import decode.choose.arms.model as model_arm
     from test_vocab_pruning import _mutant_q_unmapped
 
     eng, target, cfg, vocab = _sampling_setup()
@@ -166,7 +166,7 @@ from test_train_drafter import _recipe, distilled  # noqa: E402,F401  (the tiny 
 
 
 def test_trained_drafter_saves_its_vocabulary_and_the_arm_drafts_from_it(tmp_path, tiny_target_dir, distilled):
-    from decode.models import load_model
+    from decode.core.models import load_model
     from toolkit.config import load_recipe
     from toolkit.export import read_metadata
     from toolkit.train.data import split_heldout, tokenize_sft

@@ -1,4 +1,4 @@
-"""EAGLE-3's two ideas as options (decode/heads/eagle.py, toolkit/train/eagle.py): fused low/mid/high target
+"""EAGLE-3's two ideas as options (decode/choose/heads/eagle.py, toolkit/train/eagle.py): fused low/mid/high target
 features with a recurrent head state, and training-time test (TTT). The key check: a TTT step-s output and loss
 equal what the decode arm computes by literally drafting (true entries, then s draft steps on its own output)."""
 import json
@@ -6,17 +6,17 @@ import json
 import pytest
 import torch
 
-from decode.arms import ArmEnv, build_arm
-from decode.arms.eagle import EagleArm
-from decode.arms.eagle.tree import EagleTreeArm
-from decode.engine import SpecEngine
-from decode.errors import UserError
-from decode.heads import EagleHead, load_head, save_head
-from decode.heads.eagle import eagle3_layers
-from decode.policies import build_policy
-from decode.sampling import SamplingConfig
-from decode.target import Target
-from decode.verify import Verifier
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.eagle import EagleArm
+from decode.choose.arms.eagle.tree import EagleTreeArm
+from decode.engine.loop import SpecEngine
+from decode.common.errors import UserError
+from decode.choose.heads import EagleHead, load_head, save_head
+from decode.choose.heads.eagle import eagle3_layers
+from decode.choose.policies import build_policy
+from decode.core.sampling import SamplingConfig
+from decode.core.target import Target
+from decode.core.verify import Verifier
 from helpers import plain_greedy, tiny_llama
 from test_heads import tiny_distilled  # noqa: F401  (the tiny distilled set, a module fixture)
 from toolkit.train.eagle import (EagleSection, EagleTrainModule, make_loss, target_hidden_states, ttt_mask,
@@ -366,7 +366,7 @@ def test_fused_head_sampling_follows_the_target():
 # --------------------------------------------------------------------------- the recipe end to end
 
 def test_eagle3_recipe_trains_from_the_cli_then_decodes_losslessly(tiny_distilled):
-    from decode.models import load_model
+    from decode.core.models import load_model
     from toolkit.train import eagle
 
     d, tiny, common = tiny_distilled
@@ -391,9 +391,9 @@ def test_eagle3_recipe_trains_from_the_cli_then_decodes_losslessly(tiny_distille
 def test_cali_ts_and_early_exit_read_the_final_state_beside_a_fused_arm():
     """A fused EAGLE-3 arm widens the Target's hidden rows; the length controller (Cali-TS) and the early-exit
     arm keep reading the post-norm final state (HiddenStates.final), and decoding stays lossless."""
-    from decode.heads import EarlyExitDrafter
-    from decode.arms.early_exit import EarlyExitArm
-    from decode.length import build_length
+    from decode.choose.heads import EarlyExitDrafter
+    from decode.choose.arms.early_exit import EarlyExitArm
+    from decode.choose.length import build_length
 
     model = tiny_llama(layers=4, seed=2)
     head = EagleHead(model, feature_layers=(1, 2, 3))

@@ -2,14 +2,14 @@
 import pytest
 import torch
 
-from decode.arms import ArmEnv, build_arm
-from decode.arms.model import DrafterModelArm
-from decode.engine import SpecEngine
-from decode.errors import UserError
-from decode.policies import build_policy, policy_names
-from decode.sampling import SamplingConfig
-from decode.target import Target
-from decode.verify import Verifier
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.model import DrafterModelArm
+from decode.engine.loop import SpecEngine
+from decode.common.errors import UserError
+from decode.choose.policies import build_policy, policy_names
+from decode.core.sampling import SamplingConfig
+from decode.core.target import Target
+from decode.core.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama, tiny_qwen
 
 GREEDY = SamplingConfig()
@@ -170,7 +170,7 @@ def test_bad_engine_input():
 
 def test_registry_passes_a_parameter_called_name_through():
     """``name`` is a legitimate spec parameter (pool arms use it); it must not clash with the registry's own."""
-    from decode.registry import Registry
+    from decode.common.registry import Registry
 
     reg = Registry("widget")
 
@@ -186,8 +186,8 @@ def test_registry_passes_a_parameter_called_name_through():
 
 
 def _sampling_engine(sampling: SamplingConfig, seed: int):
-    from decode.arms.eagle import EagleArm
-    from decode.heads.eagle import EagleHead
+    from decode.choose.arms.eagle import EagleArm
+    from decode.choose.heads.eagle import EagleHead
     model, drafter = tiny_llama(seed=0), tiny_llama(seed=1)
     gen = torch.Generator().manual_seed(seed)
     target = Target(model, want_hidden=True)

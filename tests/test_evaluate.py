@@ -1,4 +1,4 @@
-"""decode/evaluate.py and decode/report.py: summaries on hand-made records, policy-spec parsing, the hf
+"""decode/evaluation/evaluate.py and decode/evaluation/report.py: summaries on hand-made records, policy-spec parsing, the hf
 reference against our engine, and per-method state (length controllers) in a real run on the tiny target."""
 import copy
 import json
@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from decode import report as ev
-from decode.errors import UserError
-from decode.eval_config import parse_policy_specs
-from decode.peers import hf_generate
+from decode.evaluation import report as ev
+from decode.common.errors import UserError
+from decode.evaluation.eval_config import parse_policy_specs
+from decode.evaluation.peers import hf_generate
 
 
 def rec(method, pid, toks, fwd, wall, ids, cat="code", **kw):
@@ -71,7 +71,7 @@ def test_timing_warnings_flag_a_speedup_beyond_mat():
 
 
 def test_policies_split_on_semicolons_and_keep_parameters_together():
-    from decode.policies import build_policy
+    from decode.choose.policies import build_policy
     for text in ("ducb:discount=0.9,c=0.1,ucbspec", "ducb:discount=0.9,c=0.1;ucbspec", "ducb:discount=0.9, c=0.1; ucbspec"):
         assert parse_policy_specs(text) == ["ducb:discount=0.9,c=0.1", "ucbspec"], text
     p = build_policy("ducb:discount=0.9,c=0.1", 2, 4)
@@ -87,17 +87,17 @@ def test_duplicate_policies_are_refused(text):
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_target_dir):
-    from decode.models import load_model
+    from decode.core.models import load_model
     return load_model(tiny_target_dir)
 
 
 def _engine_greedy(model, tok, ids, n, eos):
-    from decode.arms.none import NoSpecArm
-    from decode.engine import SpecEngine
-    from decode.policies.simple import Fixed
-    from decode.sampling import SamplingConfig
-    from decode.target import Target
-    from decode.verify import Verifier
+    from decode.choose.arms.none import NoSpecArm
+    from decode.engine.loop import SpecEngine
+    from decode.choose.policies.simple import Fixed
+    from decode.core.sampling import SamplingConfig
+    from decode.core.target import Target
+    from decode.core.verify import Verifier
     engine = SpecEngine(Target(model, tok), [NoSpecArm()], Verifier(SamplingConfig(), "torch", None), eos)
     return engine.generate(ids, Fixed(1, 0), n)
 
@@ -105,8 +105,8 @@ def _engine_greedy(model, tok, ids, n, eos):
 def test_hf_reference_equals_the_engine_and_stops_at_eos_like_it(tiny_model, one_thread):
     """Same ids as our autoregressive loop, including where EOS stops it (the EOS token is kept, nothing
     after it), even when the checkpoint's generation_config asks for penalties."""
-    from decode.sampling import SamplingConfig
-    from decode.suites import BUILTIN, encode_prompt
+    from decode.core.sampling import SamplingConfig
+    from decode.evaluation.suites import BUILTIN, encode_prompt
     model, tok = tiny_model
     ids = encode_prompt(tok, BUILTIN[0].text)
     free = _engine_greedy(model, tok, ids, 16, [])
@@ -134,7 +134,7 @@ def test_hf_reference_equals_the_engine_and_stops_at_eos_like_it(tiny_model, one
 def test_each_method_learns_its_own_length_controller(tiny_target_dir, tmp_path, one_thread):
     """A carried Beta-TS posterior must not leak from one method into the next: the fixed arm and the
     `fixed` policy playing the same arm draft exactly alike on every prompt."""
-    from decode.cli import main
+    from decode.commands.cli import main
     out = tmp_path / "r.json"
     code = main(["eval", "--no-progress", "--target", tiny_target_dir, "--arms", "pld:L=3",
                  "--policies", "fixed:arm=0", "--length", "beta-ts:carry=true", "--max-new-tokens", "16",
@@ -152,7 +152,7 @@ def test_each_method_learns_its_own_length_controller(tiny_target_dir, tmp_path,
 def test_a_compiled_run_reports_compile_seconds_apart_from_speed(tiny_target_dir, tmp_path, one_thread):
     """`--compile` with the cost-aware controller and the hf-static peer: compiling is paid before the first
     timed decode and reported per method (a column in the table), every method stays lossless vs hf."""
-    from decode.cli import main
+    from decode.commands.cli import main
     out = tmp_path / "r.json"
     code = main(["eval", "--no-progress", "--target", tiny_target_dir, "--arms", "pld:L=2", "--compile",
                  "--length", "cost", "--policies", "ucbspec", "--peers", "hf-static", "--max-new-tokens", "10",

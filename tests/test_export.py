@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from decode.heads import EagleHead, EarlyExitDrafter, load_head, save_head
+from decode.choose.heads import EagleHead, EarlyExitDrafter, load_head, save_head
 from toolkit.cli import main
 from toolkit.export_formats import (EXPORT_META, VLLM_CONFIG, draft_logits, load_eagle_export,
                                     speculators_layout)
@@ -217,7 +217,7 @@ def test_eagle_export_for_another_target_is_refused(target, tmp_path, capsys):
 
 
 def test_loader_refuses_exports_an_eagle_head_cannot_hold(target, tmp_path):
-    from decode.errors import UserError
+    from decode.common.errors import UserError
 
     src = trained_head(target, tmp_path)
     out = tmp_path / "out"
@@ -249,7 +249,7 @@ def test_speculators_library_reads_the_export_like_our_head():
 
 def test_pruned_eagle_head_exports_with_its_subset_beside_and_the_same_logits_over_it(target, tmp_path):
     """EAGLE-1 has no draft vocabulary: the export drafts from the whole vocabulary, equal over the kept tokens."""
-    from decode.vocab import VOCAB_FILE, DraftVocab
+    from decode.core.vocab import VOCAB_FILE, DraftVocab
     V = target.config.vocab_size
     head = EagleHead(target, draft_vocab=DraftVocab(torch.arange(0, V, 3), V, {"coverage": 0.9}))
     with torch.no_grad():

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from decode.errors import UserError
+from decode.common.errors import UserError
 from helpers import tiny_llama
 from toolkit.train.features import (INDEX, CachedFeatureCollator, FeatureCacheSection, build_feature_cache,
                                     with_feature_cache)

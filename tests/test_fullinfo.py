@@ -1,24 +1,24 @@
 """Full-information arm selection: counterfactual feedback equals playing the arm, the policies' update
-rules against hand-computed cases, losslessness unaffected (decode/feedback.py, decode/policies/hedge.py,
-decode/policies/router.py)."""
+rules against hand-computed cases, losslessness unaffected (decode/choose/feedback.py, decode/choose/policies/hedge.py,
+decode/choose/policies/router.py)."""
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from decode.arms import ArmEnv, build_arm
-from decode.arms.model import DrafterModelArm
-from decode.draft import RoundRecord
-from decode.engine import SpecEngine
-from decode.errors import UserError
-from decode.feedback import match_length
-from decode.policies import build_policy
-from decode.policies.hedge import normalhedge_scale
-from decode.policies.router import bucket
-from decode.sampling import SamplingConfig
-from decode.target import Target
-from decode.verify import Verifier
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.model import DrafterModelArm
+from decode.core.draft import RoundRecord
+from decode.engine.loop import SpecEngine
+from decode.common.errors import UserError
+from decode.choose.feedback import match_length
+from decode.choose.policies import build_policy
+from decode.choose.policies.hedge import normalhedge_scale
+from decode.choose.policies.router import bucket
+from decode.core.sampling import SamplingConfig
+from decode.core.target import Target
+from decode.core.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 GREEDY = SamplingConfig()

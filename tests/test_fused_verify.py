@@ -1,4 +1,4 @@
-"""Fused Triton verifier (decode/verify/fused.py) against the PyTorch reference.
+"""Fused Triton verifier (decode/core/verify/fused.py) against the PyTorch reference.
 
 Greedy: identical results. Sampling: identical draws on shared uniforms, and the emitted token
 follows the target distribution (chi-square). On a GPU the ``test_kernel_*`` tests run the compiled
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.errors import UserError
-from decode.sampling import SamplingConfig, probs, process_logits, scale_logits
-from decode.verify import Verifier
-from decode.verify.reference import BAD_LOGITS, BAD_PROBS, BAD_TOKEN, verify_reference
+from decode.common.errors import UserError
+from decode.core.sampling import SamplingConfig, probs, process_logits, scale_logits
+from decode.core.verify import Verifier
+from decode.core.verify.reference import BAD_LOGITS, BAD_PROBS, BAD_TOKEN, verify_reference
 from test_verify_power import hand_case_failures, p_zero_accepted
 
 triton = pytest.importorskip("triton")
@@ -35,14 +35,14 @@ INTERPRETER = type(triton.language.sum).__name__ == "InterpretedFunction"  # env
 
 
 def _load_fused(interpret: bool):
-    """A private copy of decode/verify/fused.py whose kernels are interpreted or compiled."""
-    name = f"decode.verify._fused_{'interpreted' if interpret else 'compiled'}"
+    """A private copy of decode/core/verify/fused.py whose kernels are interpreted or compiled."""
+    name = f"decode.core.verify._fused_{'interpreted' if interpret else 'compiled'}"
     if name in sys.modules:
         return sys.modules[name]
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     try:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "decode" / "verify" / "fused.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "decode" / "core" / "verify" / "fused.py")
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
@@ -361,9 +361,9 @@ def test_triton_backend_on_cpu_without_interpreter_is_a_user_error(monkeypatch):
 
 def test_kernel_verifier_dispatches_to_fused(fused):
     """Verifier(backend="triton") runs the kernel (interpreted on CPU) and agrees with backend="torch"."""
-    import decode.verify.fused as dispatched
+    import decode.core.verify.fused as dispatched
     assert dispatched.INTERPRETED == (not CUDA)
-    from decode.draft import Draft
+    from decode.core.draft import Draft
     g = torch.Generator().manual_seed(0)
     logits = (2 * torch.randn(4, 40, generator=g)).to(DEV)
     draft = Draft(logits[:3].argmax(-1).cpu())
@@ -419,7 +419,7 @@ def test_kernels_compile_for_hopper():
 def test_bench_verify_cli_writes_reports(tmp_path):
     """The benchmark's plumbing (timings themselves are not asserted)."""
     import json
-    from decode.cli import main
+    from decode.commands.cli import main
     out = tmp_path / "bench.json"
     argv = ["bench-verify", "--device", "cpu", "--vocab", "500", "--draft-len", "0,2", "--batch", "2",
             "--dtypes", "bf16", "--reps", "1", "--out", str(out), "--no-progress"]

@@ -18,7 +18,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 def generate(capsys, *args, stdin=None, monkeypatch=None) -> tuple[int, str, str]:
     """Run the command in-process; returns (exit code, stdout, stderr)."""
-    from decode.cli import main
+    from decode.commands.cli import main
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", stdin)
     code = main(["generate", "--threads", "1", *args])
@@ -29,9 +29,9 @@ def generate(capsys, *args, stdin=None, monkeypatch=None) -> tuple[int, str, str
 def reference_text(target: str, prompt: str, n: int) -> str:
     """Plain HF greedy decoding of the chat-templated prompt, detokenised (what stdout must hold)."""
     from helpers import plain_greedy
-    from decode.models import eos_token_ids, load_model
-    from decode.peers import truncate_at_eos
-    from decode.suites import encode_prompt
+    from decode.core.models import eos_token_ids, load_model
+    from decode.evaluation.peers import truncate_at_eos
+    from decode.evaluation.suites import encode_prompt
     model, tok = load_model(target)
     eos = set(eos_token_ids(model, tok))
     tokens, _ = truncate_at_eos(plain_greedy(model, encode_prompt(tok, prompt), n, eos), eos)
@@ -140,15 +140,15 @@ def test_interactive_loop_ends_cleanly_on_eof_and_ctrl_c(tiny_target_dir, capsys
 
 
 def test_interactive_loop_reports_a_bad_prompt_and_goes_on(tiny_target_dir, tiny_reference, capsys, monkeypatch):
-    import decode.generate
-    from decode.errors import UserError
-    encode = decode.generate.encode
+    import decode.commands.generate
+    from decode.common.errors import UserError
+    encode = decode.commands.generate.encode
 
     def picky(tok, text, raw):
         if text == "bad":
             raise UserError("this prompt is refused")
         return encode(tok, text, raw)
-    monkeypatch.setattr(decode.generate, "encode", picky)
+    monkeypatch.setattr(decode.commands.generate, "encode", picky)
     code, out, err = generate(capsys, "-i", "--target", tiny_target_dir, "--arms", ARMS, "--max-new-tokens", "24",
                               stdin=io.StringIO(f"bad\n{PROMPT}\n"), monkeypatch=monkeypatch)
     assert code == 0 and "error: this prompt is refused" in err
@@ -161,7 +161,7 @@ def test_incremental_text_holds_back_partial_characters(tiny_target_dir):
     """One id at a time, multi-byte characters split over several ids: no piece shows U+FFFD, the pieces
     join to the whole decode, and SentencePiece-style leading spaces survive (whole-ids decoding)."""
     from transformers import AutoTokenizer
-    from decode.generate import IncrementalText, decode_text
+    from decode.commands.generate import IncrementalText, decode_text
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
     text = "naïve café — 日本語 🙂 ok"
     ids = tok(text)["input_ids"]
@@ -180,7 +180,7 @@ def test_incremental_text_holds_back_partial_characters(tiny_target_dir):
 
 def test_token_printer_colours_runs_by_arm():
     """Tokens of one arm share one colour code; the target's tokens are plain; every round ends reset."""
-    from decode.generate import RESET, TokenPrinter
+    from decode.commands.generate import RESET, TokenPrinter
     out = io.StringIO()
     p = TokenPrinter(lambda ids: "".join("abcdef"[i] for i in ids), out, colours=["36", "33"])
     p.add([0, 1, 2], [0, 0, None])
@@ -199,11 +199,11 @@ def test_token_printer_colours_runs_by_arm():
 
 @pytest.fixture
 def no_model(monkeypatch):
-    import decode.generate
+    import decode.commands.generate
 
     def refuse(*a, **k):
         raise AssertionError("model loaded before the input was validated")
-    monkeypatch.setattr(decode.generate, "load_model", refuse)
+    monkeypatch.setattr(decode.commands.generate, "load_model", refuse)
 
 
 class Terminal(io.StringIO):

@@ -5,16 +5,16 @@ import math
 import pytest
 import torch
 
-from decode.arms import ArmEnv, build_arm
-from decode.arms.eagle import EagleArm
-from decode.arms.early_exit import EarlyExitArm
-from decode.engine import SpecEngine
-from decode.errors import UserError
-from decode.heads import CalibrationPredictor, EagleHead, EarlyExitDrafter, load_head, save_head
-from decode.policies import build_policy
-from decode.sampling import SamplingConfig
-from decode.target import Target
-from decode.verify import Verifier
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.eagle import EagleArm
+from decode.choose.arms.early_exit import EarlyExitArm
+from decode.engine.loop import SpecEngine
+from decode.common.errors import UserError
+from decode.choose.heads import CalibrationPredictor, EagleHead, EarlyExitDrafter, load_head, save_head
+from decode.choose.policies import build_policy
+from decode.core.sampling import SamplingConfig
+from decode.core.target import Target
+from decode.core.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama, tiny_qwen
 
 GREEDY = SamplingConfig()
@@ -239,7 +239,7 @@ def tiny_distilled(tmp_path_factory, tiny_target_dir):
 def test_train_heads_smoke_then_decode_losslessly(tiny_distilled):
     import json
 
-    from decode.models import load_model
+    from decode.core.models import load_model
     from toolkit.train import calibrator, eagle, early_exit
 
     d, tiny, common = tiny_distilled
@@ -263,8 +263,8 @@ def test_train_heads_smoke_then_decode_losslessly(tiny_distilled):
 
     env = ArmEnv(target, TinyTokenizer(target.config.vocab_size), GREEDY)
     arms = [build_arm(f"early_exit:path={d / 'ee'},L=4", env), build_arm(f"eagle:path={d / 'eagle'},L=3", env)]
-    from decode.heads.calibrator import TrainedThetaM
-    from decode.length import build_length
+    from decode.choose.heads.calibrator import TrainedThetaM
+    from decode.choose.length import build_length
     ctl = build_length(f"cali-ts:predictor={d / 'cal'}")  # as `decode eval --length` builds it
     assert isinstance(ctl.predictor, TrainedThetaM) and ctl.needs_target_hidden
     target_w = Target(target, want_hidden=True)
@@ -282,8 +282,8 @@ def test_heads_train_with_a_draft_vocabulary_and_record_its_coverage(tiny_distil
     ``draft_vocab=null`` keeps the full vocabulary."""
     import json
 
-    from decode.models import load_model
-    from decode.vocab import VOCAB_FILE
+    from decode.core.models import load_model
+    from decode.core.vocab import VOCAB_FILE
     from toolkit.train import eagle, early_exit
 
     d, tiny, common = tiny_distilled

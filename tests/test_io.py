@@ -1,12 +1,12 @@
-"""decode.io: atomic writes leave either the old or the new content, never a half-written file,
+"""decode.common.io: atomic writes leave either the old or the new content, never a half-written file,
 and give results the permissions a plain write would."""
 import os
 import stat
 
 import pytest
 
-from decode.io import atomic_path, atomic_write_text, iter_jsonl
-from decode.errors import UserError
+from decode.common.io import atomic_path, atomic_write_text, iter_jsonl
+from decode.common.errors import UserError
 
 
 def _mode(p):

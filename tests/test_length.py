@@ -5,16 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-from decode.arms import ArmEnv, build_arm
-from decode.arms.model import DrafterModelArm
-from decode.draft import Outcome
-from decode.engine import SpecEngine
-from decode.errors import UserError
-from decode.length import BetaTS, CaliContext, CaliTS, LengthController, build_length, length_names
-from decode.policies import build_policy
-from decode.sampling import SamplingConfig
-from decode.target import Target
-from decode.verify import Verifier
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.model import DrafterModelArm
+from decode.core.draft import Outcome
+from decode.engine.loop import SpecEngine
+from decode.common.errors import UserError
+from decode.choose.length import BetaTS, CaliContext, CaliTS, LengthController, build_length, length_names
+from decode.choose.policies import build_policy
+from decode.core.sampling import SamplingConfig
+from decode.core.target import Target
+from decode.core.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 
@@ -165,7 +165,7 @@ def test_engine_passes_the_arm_index_to_the_length_controller():
 
 
 def test_cali_ts_predictor_from_spec_string(tmp_path):
-    from decode.length import CaliTS, top1_predictor
+    from decode.choose.length import CaliTS, top1_predictor
     ctl = build_length("cali-ts:predictor=top1")
     assert isinstance(ctl, CaliTS) and ctl.predictor is top1_predictor and not ctl.needs_target_hidden
     with pytest.raises(UserError, match="make train-calibrator"):

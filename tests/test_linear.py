@@ -1,21 +1,21 @@
-"""decode/linear.py: the target's linears packed once for oneDNN — the stock model is untouched and shares
+"""decode/core/linear.py: the target's linears packed once for oneDNN — the stock model is untouched and shares
 every weight, outputs match ``nn.Linear`` to float32 rounding, greedy decoding through packed target and arms
 equals plain greedy decoding, and ``--linear`` resolves or refuses with the reason."""
 import pytest
 import torch
 
-from decode.arms import ArmEnv, build_arm
-from decode.arms.eagle import EagleArm
-from decode.engine import SpecEngine, build_engine
-from decode.errors import UserError
-from decode.heads import EagleHead
-from decode.linear import (PackedLinear, onednn_linear, onednn_usable, pack_arm_linears, pack_linears,
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.eagle import EagleArm
+from decode.engine.loop import SpecEngine, build_engine
+from decode.common.errors import UserError
+from decode.choose.heads import EagleHead
+from decode.core.linear import (PackedLinear, onednn_linear, onednn_usable, pack_arm_linears, pack_linears,
                            resolve_linear)
-from decode.policies import build_policy
-from decode.sampling import SamplingConfig
-from decode.target import Target
-from decode.verify import Verifier
-from decode.vocab import DraftVocab
+from decode.choose.policies import build_policy
+from decode.core.sampling import SamplingConfig
+from decode.core.target import Target
+from decode.core.verify import Verifier
+from decode.core.vocab import DraftVocab
 from helpers import plain_greedy, tiny_llama
 
 GREEDY = SamplingConfig()
@@ -63,7 +63,7 @@ def test_greedy_through_packed_target_and_eagle_equals_plain_greedy(cache):
 
 
 def test_build_engine_packs_only_its_own_copy(tiny_target_dir):
-    from decode.models import load_model
+    from decode.core.models import load_model
     model, tok = load_model(tiny_target_dir)
     eng = build_engine(model, tok, ["pld:L=2"], GREEDY, torch.Generator(), cache="dynamic", linear="onednn")
     assert eng.target.linear == "onednn" and eng.target.model is not model

@@ -1,9 +1,9 @@
-"""decode/metrics.py on hand-made numbers: every reported metric, its edge cases and the speed-up warnings."""
+"""decode/common/metrics.py on hand-made numbers: every reported metric, its edge cases and the speed-up warnings."""
 import math
 
 import pytest
 
-from decode import metrics
+from decode.common import metrics
 
 
 def test_mat_tokens_per_s_and_speedup():

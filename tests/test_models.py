@@ -4,8 +4,8 @@ import time
 import pytest
 import torch
 
-from decode.errors import UserError
-from decode.models import ALIASES, GGUFAlias, check_vocab_compatible, load_model, locate_gguf, resolve_path
+from decode.common.errors import UserError
+from decode.core.models import ALIASES, GGUFAlias, check_vocab_compatible, load_model, locate_gguf, resolve_path
 from helpers import TinyTokenizer, plain_greedy
 
 
@@ -42,14 +42,14 @@ def test_default_alias_cached_and_fast(smol_path):
 
 @pytest.mark.slow
 def test_real_target_greedy_lossless(smol):
-    from decode.arms import ArmEnv, build_arm
-    from decode.arms.model import DrafterModelArm
-    from decode.engine import SpecEngine
-    from decode.policies import build_policy
-    from decode.sampling import SamplingConfig
-    from decode.suites import BUILTIN, encode_prompt
-    from decode.target import Target
-    from decode.verify import Verifier
+    from decode.choose.arms import ArmEnv, build_arm
+    from decode.choose.arms.model import DrafterModelArm
+    from decode.engine.loop import SpecEngine
+    from decode.choose.policies import build_policy
+    from decode.core.sampling import SamplingConfig
+    from decode.evaluation.suites import BUILTIN, encode_prompt
+    from decode.core.target import Target
+    from decode.core.verify import Verifier
     model, tok = smol
     cfg = SamplingConfig()
     env = ArmEnv(model, tok, cfg)

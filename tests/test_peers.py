@@ -1,4 +1,4 @@
-"""decode/peers.py: the hf reference and the transformers peers (prompt lookup, assisted generation with one
+"""decode/evaluation/peers.py: the hf reference and the transformers peers (prompt lookup, assisted generation with one
 of our drafters, early-exit self-speculation) — greedy outputs equal plain generate token for token, target
 forwards are counted (verifications only), and bad specs are one-line errors before anything loads."""
 import copy
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from decode import peers as P
-from decode.errors import UserError
-from decode.sampling import SamplingConfig
-from decode.suites import encode_prompt
+from decode.common.errors import UserError
+from decode.core.sampling import SamplingConfig
+from decode.evaluation.suites import encode_prompt
 
 GREEDY = SamplingConfig()
 COPY_TEXT = ("The quarterly report lists revenue of 4.2 million dollars, costs of 3.1 million dollars, "
@@ -19,7 +19,7 @@ COPY_PROMPT = f"Repeat the following text exactly, word for word:\n\n{COPY_TEXT}
 
 @pytest.fixture(scope="module")
 def tiny(tiny_target_dir):
-    from decode.models import load_model
+    from decode.core.models import load_model
     return load_model(tiny_target_dir)
 
 
@@ -147,12 +147,12 @@ def test_bad_peer_specs_are_one_line_errors(tiny, spec, words):
 
 def test_every_spec_is_checked_before_a_drafter_loads(tiny, tiny_drafter_dir, monkeypatch):
     model, tok = tiny
-    import decode.models
+    import decode.core.models
 
     def boom(*a, **k):
         raise AssertionError("a drafter was loaded before every spec was checked")
 
-    monkeypatch.setattr(decode.models, "load_model", boom)
+    monkeypatch.setattr(decode.core.models, "load_model", boom)
     with pytest.raises(UserError, match="L must be an integer >= 1"):
         P.build_peers([f"hf-assisted:path={tiny_drafter_dir}", "hf-pld:L=0"], model, tok, GREEDY, [], 0)
     with pytest.raises(UserError, match="duplicates"):
@@ -174,7 +174,7 @@ def test_hf_assisted_refuses_a_drafter_with_another_vocabulary(tiny, tmp_path):
 def test_peers_on_the_default_target(smol, tiny_drafter_dir, one_thread):
     """Real SmolLM2: every peer's greedy output equals plain generate; prompt lookup on a copy prompt
     keeps several tokens per target forward (MAT > 1)."""
-    from decode.models import eos_token_ids
+    from decode.core.models import eos_token_ids
     model, tok = smol
     eos = eos_token_ids(model, tok)
     ids = encode_prompt(tok, COPY_PROMPT)

@@ -1,4 +1,4 @@
-"""decode/plots.py and the per-position acceptance metric: each figure draws the series the report holds
+"""decode/evaluation/plots.py and the per-position acceptance metric: each figure draws the series the report holds
 (checked on the matplotlib objects), skips with a reason when there is nothing to draw, and ``decode
 report`` writes the PNGs beside report.md, links them, draws the same bytes twice and honours --no-plots.
 Hand-made records, no model: fast."""
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from decode import plots
-from decode.metrics import acceptance_per_position
-from decode.report import AR, FORMAT, HF, build_report
+from decode.evaluation import plots
+from decode.common.metrics import acceptance_per_position
+from decode.evaluation.report import AR, FORMAT, HF, build_report
 
 LABELS = ["pld@2", "pld@4", "suffix@3", "none"]
 SPECS = ["pld:L=2", "pld", "suffix:L=3", "none"]  # pld without L=: its length is the longest draft it made
@@ -127,7 +127,7 @@ def _write_run(tmp_path, header, recs):
 
 
 def test_report_command_writes_linked_deterministic_figures(tmp_path, capsys):
-    from decode.cli import main
+    from decode.commands.cli import main
     run = _write_run(tmp_path, *hand_made())
     assert main(["report", str(run)]) == 0
     pngs = {k: run / f"report.{k}.png" for k in plots.KINDS}
@@ -149,7 +149,7 @@ def test_report_command_writes_linked_deterministic_figures(tmp_path, capsys):
 
 
 def test_without_policies_the_pulls_figure_is_skipped_and_says_why(tmp_path):
-    from decode.cli import main
+    from decode.commands.cli import main
     run = _write_run(tmp_path, *hand_made())
     assert main(["report", str(run)]) == 0 and (run / "report.pulls.png").exists()
     _write_run(tmp_path, *hand_made(policies=()))  # the same folder rerun without policies

@@ -4,11 +4,11 @@ import math
 import numpy as np
 import pytest
 
-from decode.draft import RoundRecord
-from decode.errors import UserError
-from decode.policies import build_policy, policy_names
-from decode.policies.ucbspec import ucbspec_radius
-from decode.simulate import SyntheticInstance, run_policy, simulate, summarize
+from decode.core.draft import RoundRecord
+from decode.common.errors import UserError
+from decode.choose.policies import build_policy, policy_names
+from decode.choose.policies.ucbspec import ucbspec_radius
+from decode.simulation.simulate import SyntheticInstance, run_policy, simulate, summarize
 
 
 def rec(arm=0, accepted=0, drafted=4, tv=None, new=None, dt=0.0, vt=1.0):

@@ -1,14 +1,14 @@
-"""A policy's learnt state round-trips through JSON (decode/policies/state.py): after loading, every policy
+"""A policy's learnt state round-trips through JSON (decode/choose/policies/state.py): after loading, every policy
 chooses exactly as the one that was saved would have, random draws included; mismatches are refused."""
 import json
 
 import numpy as np
 import pytest
 
-from decode.draft import RoundRecord
-from decode.errors import UserError
-from decode.policies import build_policy, policy_names
-from decode.policies.state import load_policy_state, policy_state
+from decode.core.draft import RoundRecord
+from decode.common.errors import UserError
+from decode.choose.policies import build_policy, policy_names
+from decode.choose.policies.state import load_policy_state, policy_state
 
 K, L = 3, 4
 MEANS = (0.2, 0.7, 0.45)  # P(a drafted token is accepted) per arm

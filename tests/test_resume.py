@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from decode.errors import UserError
-from decode.io import JsonlLog, read_jsonl_log
+from decode.common.errors import UserError
+from decode.common.io import JsonlLog, read_jsonl_log
 
 # thompson:carry=true learns across prompts with its own random draws: a resume that did not replay
 # the finished prompts through it would choose other arms afterwards
@@ -164,15 +164,15 @@ def test_report_on_a_partial_run_covers_the_finished_prompts(runs):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    import decode.evaluate
+    import decode.evaluation.evaluate
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded")
-    monkeypatch.setattr(decode.evaluate, "load_model", refuse)
+    monkeypatch.setattr(decode.evaluation.evaluate, "load_model", refuse)
 
 
 def test_changed_config_is_an_error_naming_the_field(runs, tiny_target_dir, no_model, capsys):
-    from decode.cli import main
+    from decode.commands.cli import main
     out = runs["full"]
     argv = ["eval", "--no-progress", "--target", tiny_target_dir, *ARGS, "--out", str(out)]
     assert main([*argv[:-2], "--max-new-tokens", "16", "--out", str(out)]) == 2
@@ -193,7 +193,7 @@ def test_changed_config_is_an_error_naming_the_field(runs, tiny_target_dir, no_m
 
 
 def test_fresh_discards_earlier_records(tiny_target_dir, tmp_path, one_thread):
-    from decode.cli import main
+    from decode.commands.cli import main
     out = tmp_path / "r.json"
     base = ["eval", "--no-progress", "--target", tiny_target_dir, "--arms", "pld:L=3", "--policies", "",
             "--categories", "code", "--out", str(out)]
@@ -228,7 +228,7 @@ def test_jsonl_log_survives_a_torn_last_line_and_refuses_a_second_writer(tmp_pat
 
 
 def test_records_paths():
-    from decode.eval_config import records_path, report_path
+    from decode.evaluation.eval_config import records_path, report_path
     assert records_path("runs/x/report.json").as_posix() == "runs/x/records.jsonl"
     assert records_path("runs/a.json").as_posix() == "runs/a.records.jsonl"
     for rep in ("runs/x/report.json", "runs/a.json"):

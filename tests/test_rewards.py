@@ -1,15 +1,15 @@
 """Rewards: exact values on hand-made rounds, ranges, the fixed-scale throughput, and γ-arms."""
 import pytest
 
-from decode.arms import ArmEnv, build_arm
-from decode.draft import RoundRecord
-from decode.engine import SpecEngine
-from decode.errors import UserError
-from decode.policies import build_policy
-from decode.rewards import build_reward, reward_names
-from decode.sampling import SamplingConfig
-from decode.target import Target
-from decode.verify import Verifier
+from decode.choose.arms import ArmEnv, build_arm
+from decode.core.draft import RoundRecord
+from decode.engine.loop import SpecEngine
+from decode.common.errors import UserError
+from decode.choose.policies import build_policy
+from decode.choose.rewards import build_reward, reward_names
+from decode.core.sampling import SamplingConfig
+from decode.core.target import Target
+from decode.core.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 

@@ -4,14 +4,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from decode.arms.base import Arm
-from decode.arms.model import DrafterModelArm
-from decode.draft import Draft
-from decode.engine import SpecEngine
-from decode.policies.simple import Fixed
-from decode.sampling import SamplingConfig, probs
-from decode.target import Target
-from decode.verify import Verifier, verify_reference
+from decode.choose.arms.base import Arm
+from decode.choose.arms.model import DrafterModelArm
+from decode.core.draft import Draft
+from decode.engine.loop import SpecEngine
+from decode.choose.policies.simple import Fixed
+from decode.core.sampling import SamplingConfig, probs
+from decode.core.target import Target
+from decode.core.verify import Verifier, verify_reference
 from helpers import tiny_llama
 
 V = 6
@@ -78,7 +78,7 @@ def _assert_first_two_tokens_follow_target(eng, target, cfg, prompt=(0, 2, 4), n
     assert _chi2_ok(counts, _exact_two_token_dist(target, list(prompt), cfg), n) > 1e-3
 
 
-# static caches (decode/target.py) are checked here where cheap: target + drafter; logits equal the
+# static caches (decode/core/target.py) are checked here where cheap: target + drafter; logits equal the
 # dynamic cache's within fp32 tolerance (tests/test_static_cache.py), so the rest need not repeat
 @pytest.mark.parametrize("drafter_kind,cache", [("stochastic", "dynamic"), ("stochastic", "static"),
                                                 ("one-hot", "dynamic")])
@@ -97,9 +97,9 @@ def test_engine_first_two_tokens_follow_target(drafter_kind, cache):
 @pytest.mark.parametrize("head_kind,cache", [("early_exit", "dynamic"), ("eagle", "dynamic"), ("eagle", "static")])
 def test_self_drafting_heads_first_two_tokens_follow_target(head_kind, cache):
     """The heads' drafts (q from the exit layer / EAGLE feature head) keep sampling exact."""
-    from decode.arms.eagle import EagleArm
-    from decode.arms.early_exit import EarlyExitArm
-    from decode.heads import EagleHead, EarlyExitDrafter
+    from decode.choose.arms.eagle import EagleArm
+    from decode.choose.arms.early_exit import EarlyExitArm
+    from decode.choose.heads import EagleHead, EarlyExitDrafter
 
     cfg = SamplingConfig(1.0)
     target = tiny_llama(vocab=V, hidden=16, layers=3, seed=4, peaked=4.0)

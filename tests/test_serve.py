@@ -1,7 +1,7 @@
 """`decode serve` over real HTTP on loopback: the official openai client, streaming and not, greedy output equal
 to HF generate token for token, every bad input answered 4xx (never a 500, never a dead server), a client that
 disconnects mid-stream freeing the engine, a bounded concurrent load, timeouts, per-request arm subsets, and
-the policy's state surviving a restart (decode/serve/)."""
+the policy's state surviving a restart (decode/commands/serve/)."""
 import json
 import os
 import re
@@ -18,11 +18,11 @@ import httpx
 import pytest
 import torch
 
-from decode.models import load_model
-from decode.peers import hf_generate
-from decode.sampling import SamplingConfig
-from decode.serve.command import RunningServer
-from decode.suites import encode_messages
+from decode.core.models import load_model
+from decode.evaluation.peers import hf_generate
+from decode.core.sampling import SamplingConfig
+from decode.commands.serve.command import RunningServer
+from decode.evaluation.suites import encode_messages
 
 openai = pytest.importorskip("openai")
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,7 +294,7 @@ def test_policy_state_survives_a_restart_and_steers_the_next_request(echo_target
     with RunningServer(args + ["--state-file", "none"]) as fresh:
         assert _first_rounds(fresh) == first  # without the state: back to trying arm 0
     # a state file from another pool is refused with the fix, before the server starts
-    from decode.errors import UserError
+    from decode.common.errors import UserError
     with pytest.raises(UserError, match="arms"):
         RunningServer(["--target", echo_target_dir, "--arms", "pld:L=4;none", "--state-file", str(state)]).__enter__()
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decode.errors import UserError
-from decode.heads import EagleHead, load_head, save_head
-from decode.models import load_model
-from decode.pools import REPO_ROOT, load_pool
+from decode.common.errors import UserError
+from decode.choose.heads import EagleHead, load_head, save_head
+from decode.core.models import load_model
+from decode.engine.pools import REPO_ROOT, load_pool
 from toolkit.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

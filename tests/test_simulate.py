@@ -4,16 +4,16 @@ import json
 import numpy as np
 import pytest
 
-from decode.arms import ArmEnv, build_arm
-from decode.cli import main
-from decode.engine import SpecEngine
-from decode.policies import build_policy
-from decode.policies.simple import Fixed
-from decode.sampling import SamplingConfig
-from decode.simulate import ReplayInstance, SyntheticInstance, run_policy, stopping_times
-from decode.target import Target
-from decode.traces import load_traces, record_trace, write_traces
-from decode.verify import Verifier
+from decode.choose.arms import ArmEnv, build_arm
+from decode.commands.cli import main
+from decode.engine.loop import SpecEngine
+from decode.choose.policies import build_policy
+from decode.choose.policies.simple import Fixed
+from decode.core.sampling import SamplingConfig
+from decode.simulation.simulate import ReplayInstance, SyntheticInstance, run_policy, stopping_times
+from decode.core.target import Target
+from decode.simulation.traces import load_traces, record_trace, write_traces
+from decode.core.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
@@ -122,7 +122,7 @@ def test_cli_replay_and_errors(tmp_path, capsys):
 def test_sampled_traced_run_leaves_the_live_output_unchanged():
     """Counterfactual drafting and verification must not consume the live run's random numbers."""
     import torch
-    from decode.arms.model import DrafterModelArm
+    from decode.choose.arms.model import DrafterModelArm
     s = SamplingConfig(temperature=1.0)
     model, drafter = tiny_llama(seed=1, peaked=3.0), tiny_llama(seed=2)
     gen = torch.Generator()
@@ -142,7 +142,7 @@ def test_time_measure_counts_drafting_cost_and_throughput_reward_learns_it():
     """--measure time: without costs a round takes 1 unit (time == rounds); with a drafting cost the
     best γ-arm moves from the longest to a middle length, and the throughput reward finds it better
     than tokens-per-round does (BanditSpec §6.2)."""
-    from decode.simulate import simulate
+    from decode.simulation.simulate import simulate
     lengths = np.array([500, 2000])
     Ls = [0, 1, 2, 4, 8]
 
@@ -176,7 +176,7 @@ def test_full_information_beats_bandit_feedback_and_the_round_oracle_bounds_ever
 
 
 def test_round_oracle_on_a_dense_trace_picks_the_most_tokens_each_round():
-    from decode.simulate import RoundOracle
+    from decode.simulation.simulate import RoundOracle
     model = tiny_llama(seed=1, peaked=3.0)
     eng = _engine(model)
     gen = record_trace(eng, PROMPT, build_policy("random", 3, eng.max_len), 16, "dense")

@@ -1,4 +1,4 @@
-"""Static KV caches (decode/target.py KVCache): pointer rollback never reads stale entries, static and
+"""Static KV caches (decode/core/target.py KVCache): pointer rollback never reads stale entries, static and
 dynamic caches give the same logits, capacity rules, and greedy losslessness of every arm kind on
 both cache kinds."""
 import os
@@ -7,17 +7,17 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from decode.arms import ArmEnv, build_arm
-from decode.arms.eagle import EagleArm
-from decode.arms.early_exit import EarlyExitArm
-from decode.arms.model import DrafterModelArm
-from decode.engine import SpecEngine
-from decode.errors import UserError
-from decode.heads import EagleHead, EarlyExitDrafter, save_head
-from decode.policies import build_policy
-from decode.sampling import SamplingConfig
-from decode.target import KVCache, Target
-from decode.verify import Verifier
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.eagle import EagleArm
+from decode.choose.arms.early_exit import EarlyExitArm
+from decode.choose.arms.model import DrafterModelArm
+from decode.engine.loop import SpecEngine
+from decode.common.errors import UserError
+from decode.choose.heads import EagleHead, EarlyExitDrafter, save_head
+from decode.choose.policies import build_policy
+from decode.core.sampling import SamplingConfig
+from decode.core.target import KVCache, Target
+from decode.core.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama, tiny_qwen
 
 GREEDY = SamplingConfig()
@@ -238,7 +238,7 @@ def test_arm_caches_static_equal_dynamic_drafts():
 @pytest.mark.slow  # inductor compiles three small graphs on a CPU
 def test_compiled_verification_forward_matches_eager_with_one_graph_per_size(tmp_path, monkeypatch):
     """Target(compile=True): chain verification forwards run through one static-shape graph per number of
-    positions (decode/compiled.py). Logits equal the eager dynamic-cache ones for every draft length, a size
+    positions (decode/core/compiled.py). Logits equal the eager dynamic-cache ones for every draft length, a size
     seen before reuses its graph (the pointer moves, nothing recompiles), and greedy decoding through the
     compiled target is plain greedy decoding token for token."""
     pytest.importorskip("torch._inductor")
@@ -269,7 +269,7 @@ def test_compiled_verification_forward_matches_eager_with_one_graph_per_size(tmp
 
 
 def test_auto_cache_is_static_on_cuda_or_compiled_and_dynamic_on_a_cpu():
-    from decode.target import auto_cache_kind
+    from decode.core.target import auto_cache_kind
     assert auto_cache_kind("cpu") == "dynamic"  # measured 7% slower static on this CPU (bench-round --cache both)
     assert auto_cache_kind("cpu", compile=True) == "static"
     assert auto_cache_kind(torch.device("cuda")) == "static"

@@ -6,15 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.arms import ArmEnv, build_arm
-from decode.arms.model import DrafterModelArm
-from decode.engine import DecodeState, SpecEngine, StepResult, StepTimes
-from decode.policies import build_policy
-from decode.policies.simple import Fixed
-from decode.sampling import SamplingConfig
-from decode.target import Target
-from decode.traces import record_trace
-from decode.verify import Verifier
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.model import DrafterModelArm
+from decode.engine.loop import DecodeState, SpecEngine, StepResult, StepTimes
+from decode.choose.policies import build_policy
+from decode.choose.policies.simple import Fixed
+from decode.core.sampling import SamplingConfig
+from decode.core.target import Target
+from decode.simulation.traces import record_trace
+from decode.core.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 GREEDY = SamplingConfig()
@@ -145,9 +145,9 @@ def test_rounds_trace_live_entries_are_the_live_rounds(models):
 
 def test_engine_does_not_import_traces_and_generate_has_no_trace_parameter():
     root = Path(__file__).resolve().parents[1]
-    code = "import sys, decode.engine; assert 'decode.traces' not in sys.modules, 'engine imports traces'"
+    code = "import sys, decode.engine.loop; assert 'decode.simulation.traces' not in sys.modules, 'engine imports traces'"
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120)
-    src = (root / "decode" / "engine.py").read_text()
+    src = (root / "decode" / "engine" / "loop.py").read_text()
     assert "traces" not in "".join(line for line in src.splitlines() if line.lstrip().startswith(("import", "from")))
     import inspect
     assert "trace" not in inspect.signature(SpecEngine.generate).parameters
@@ -160,7 +160,7 @@ def test_verify_reads_the_device_once_per_round(models, monkeypatch):
     t.prefill(PROMPT)
     draft_tokens = torch.tensor(plain_greedy(model, PROMPT, 4)[:2] + [7, 9])
     logits = t.score(PROMPT[-1], draft_tokens).logits
-    from decode.draft import Draft
+    from decode.core.draft import Draft
     calls = []
     real = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: calls.append(self.numel()) or real(self))

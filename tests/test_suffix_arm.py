@@ -1,8 +1,8 @@
 """The suffix-automaton drafter finds the longest earlier-occurring suffix and its latest occurrence."""
 import random
 
-from decode.arms.ngram import PromptLookupArm
-from decode.arms.suffix import SuffixArm, SuffixAutomaton
+from decode.choose.arms.ngram import PromptLookupArm
+from decode.choose.arms.suffix import SuffixArm, SuffixAutomaton
 
 
 def brute(text):

@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from decode.errors import UserError
-from decode.models import vocab_fingerprint
+from decode.common.errors import UserError
+from decode.core.models import vocab_fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def test_sft_features_mask_prompt_and_keep_target_tokens(tiny_target_dir):
     cut = encode_example(tok, row, max_length=4)
     assert cut["input_ids"] == [5, 6, 7, 8] and cut["labels"] == [-100, -100, -100, 8]
     # rows without ids: prompt through decode's chat-template encoding, end-of-turn appended only if stopped
-    from decode.suites import encode_prompt
+    from decode.evaluation.suites import encode_prompt
     text = {"prompt": "What is 2+2?", "response": "4", "finish_reason": "stop"}
     ex = encode_example(tok, text, max_length=512)
     n = len(encode_prompt(tok, "What is 2+2?"))
@@ -206,10 +206,10 @@ class _Killed(Exception):
 def test_interrupted_run_resumes_exactly_and_exports_for_decode(tmp_path, tiny_target_dir, distilled):
     from transformers import TrainerCallback
 
-    from decode.arms import ArmEnv, build_arm
-    from decode.arms.model import DrafterModelArm
-    from decode.models import load_model
-    from decode.sampling import SamplingConfig
+    from decode.choose.arms import ArmEnv, build_arm
+    from decode.choose.arms.model import DrafterModelArm
+    from decode.core.models import load_model
+    from decode.core.sampling import SamplingConfig
     from toolkit.config import load_recipe
     from toolkit.export import read_metadata
     from toolkit.train.drafter import DrafterRecipe, train_drafter
@@ -258,7 +258,7 @@ def test_two_stage_then_lora_on_a_pretrained_model(tmp_path, tiny_target_dir, di
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from decode.models import load_model
+    from decode.core.models import load_model
     from helpers import tiny_llama
     from toolkit.config import load_recipe
     from toolkit.export import read_metadata
@@ -295,7 +295,7 @@ def test_two_stage_then_lora_on_a_pretrained_model(tmp_path, tiny_target_dir, di
 # --------------------------------------------------------------------------- pools
 
 def test_pool_file_to_arm_specs(tmp_path, tiny_target_dir):
-    from decode.pools import load_pool
+    from decode.engine.pools import load_pool
 
     exp = tmp_path / "math" / "export"
     exp.mkdir(parents=True)
@@ -332,7 +332,7 @@ def _free_port() -> int:
 def test_deepspeed_launcher_zero2_resume_and_plain_python_zero3(tmp_path, tiny_target_dir, distilled):
     """`deepspeed scripts/train_drafter.py` on CPU (gloo): a run, a resumed run that must match it; then the
     same script under plain `python` with ZeRO-3 (weights gathered from the shards for the export)."""
-    from decode.models import load_model
+    from decode.core.models import load_model
 
     rec = _recipe(tmp_path, tiny_target_dir, distilled, train={"max_steps": 4, "save_steps": 2})
     # DeepSpeed's CPU comm op compiles once (~2 min) into TORCH_EXTENSIONS_DIR (torch's default:
@@ -437,7 +437,7 @@ def test_launch_check_catches_device_and_dtype_before_deepspeed(tmp_path, tiny_t
 
 def test_bfloat16_training_step_on_cpu_exports_a_float32_drafter(tmp_path, tiny_target_dir, distilled):
     """train.dtype=bfloat16 on the CPU: autocast compute, float32 master weights, KD against the frozen target."""
-    from decode.models import load_model
+    from decode.core.models import load_model
     from toolkit.config import load_recipe
     from toolkit.train.drafter import DrafterRecipe, train_drafter
 

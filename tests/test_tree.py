@@ -1,14 +1,14 @@
-"""Tree drafts: prefix trees from chains (decode/tree.py), one-forward tree scoring and KV compaction
-(decode/target.py), greedy tree verification and the verifier's dispatch (decode/verify)."""
+"""Tree drafts: prefix trees from chains (decode/core/tree.py), one-forward tree scoring and KV compaction
+(decode/core/target.py), greedy tree verification and the verifier's dispatch (decode/core/verify)."""
 import pytest
 import torch
 
-from decode.draft import Draft
-from decode.sampling import SamplingConfig
-from decode.target import Target
-from decode.tree import ancestor_matrix, chain_parents, children, depths, merge_chains, root_path, tree_attention
-from decode.verify import Verifier
-from decode.verify.tree import kseq_beta, kseq_residual, kseq_rho, verify_tree
+from decode.core.draft import Draft
+from decode.core.sampling import SamplingConfig
+from decode.core.target import Target
+from decode.core.tree import ancestor_matrix, chain_parents, children, depths, merge_chains, root_path, tree_attention
+from decode.core.verify import Verifier
+from decode.core.verify.tree import kseq_beta, kseq_residual, kseq_rho, verify_tree
 from helpers import plain_greedy, tiny_llama
 
 GREEDY = SamplingConfig()
@@ -235,8 +235,8 @@ def test_kseq_rho_solves_its_equation_and_the_residual_completes_the_target():
 
 def test_trees_refuse_models_with_other_than_full_attention():
     from types import SimpleNamespace
-    from decode.errors import UserError
-    from decode.target import check_tree_support
+    from decode.common.errors import UserError
+    from decode.core.target import check_tree_support
     check_tree_support(SimpleNamespace(layer_types=["full_attention"] * 2))
     check_tree_support(SimpleNamespace())  # Llama configs have no layer_types: full attention
     with pytest.raises(UserError, match="sliding_attention"):

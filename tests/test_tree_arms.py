@@ -4,20 +4,20 @@ import numpy as np
 import pytest
 import torch
 
-from decode.arms import ArmEnv, build_arm
-from decode.arms.eagle import EagleArm
-from decode.arms.eagle.tree import EagleChainsArm, EagleTreeArm
-from decode.arms.model import DrafterModelArm
-from decode.arms.union import UnionArm, sub_specs
-from decode.engine import SpecEngine
-from decode.errors import UserError
-from decode.heads import EagleHead
-from decode.policies import build_policy
-from decode.sampling import SamplingConfig, probs
-from decode.specs import split_specs
-from decode.target import Target
-from decode.tree import children, leaf_chains
-from decode.verify import Verifier
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.eagle import EagleArm
+from decode.choose.arms.eagle.tree import EagleChainsArm, EagleTreeArm
+from decode.choose.arms.model import DrafterModelArm
+from decode.choose.arms.union import UnionArm, sub_specs
+from decode.engine.loop import SpecEngine
+from decode.common.errors import UserError
+from decode.choose.heads import EagleHead
+from decode.choose.policies import build_policy
+from decode.core.sampling import SamplingConfig, probs
+from decode.common.specs import split_specs
+from decode.core.target import Target
+from decode.core.tree import children, leaf_chains
+from decode.core.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 GREEDY = SamplingConfig()
@@ -186,7 +186,7 @@ def test_eagle_tree_holds_the_chain_arms_draft_and_respects_its_budget(kind):
 
 @pytest.mark.slow
 def test_union_greedy_equals_hf_generate_on_the_default_target(smol):
-    from decode.suites import BUILTIN, encode_prompt
+    from decode.evaluation.suites import BUILTIN, encode_prompt
     model, tok = smol
     t = Target(model)
     env = ArmEnv(model, tok, GREEDY, target=t)
@@ -221,7 +221,7 @@ def test_eagle_k_chains_follow_the_head(kind):
 
 
 def test_eagle_spec_builds_chains_k_chains_or_the_dynamic_tree(tmp_path):
-    from decode.heads import save_head
+    from decode.choose.heads import save_head
     model = tiny_llama(layers=2, seed=4)
     save_head(_eagle_head(model), tmp_path / "head")
     env = _env(model)

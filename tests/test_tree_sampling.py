@@ -1,5 +1,5 @@
 """Tree verification samples from the target's law (chi-square over whole emitted blocks), and the
-checks catch plausible bugs (mutants swapped into decode/verify/tree.py).
+checks catch plausible bugs (mutants swapped into decode/core/verify/tree.py).
 
 Setting: a vocabulary of V = 4, a target P(·|prefix) and a drafter Q(·|prefix) that depend on the
 whole prefix and are far from uniform and from each other. A sample is one verification round from an
@@ -19,10 +19,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from decode.draft import Draft
-from decode.sampling import SamplingConfig, probs
-from decode.tree import merge_chains, root_path
-import decode.verify.tree as vt
+from decode.core.draft import Draft
+from decode.core.sampling import SamplingConfig, probs
+from decode.core.tree import merge_chains, root_path
+import decode.core.verify.tree as vt
 
 V, L = 4, 3
 M = L + 1

@@ -24,8 +24,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from decode.sampling import SamplingConfig, probs, sample_from
-from decode.verify.reference import VerifyResult, verify_reference
+from decode.core.sampling import SamplingConfig, probs, sample_from
+from decode.core.verify.reference import VerifyResult, verify_reference
 
 V, L = 6, 3
 N = 40_000  # samples per block-law check: each runs as one batched verifier call

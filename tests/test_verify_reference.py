@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from decode.draft import Draft
-from decode.errors import UserError
-from decode.sampling import SamplingConfig, process_logits, sample_from
-from decode.verify import Verifier, verify_reference
-from decode.verify.reference import BAD_LOGITS, BAD_PROBS, BAD_TOKEN
+from decode.core.draft import Draft
+from decode.common.errors import UserError
+from decode.core.sampling import SamplingConfig, process_logits, sample_from
+from decode.core.verify import Verifier, verify_reference
+from decode.core.verify.reference import BAD_LOGITS, BAD_PROBS, BAD_TOKEN
 
 
 def test_greedy_accept_prefix_then_correction():

@@ -1,4 +1,4 @@
-"""Vocabulary-pruned draft heads (decode/vocab.py, FR-Spec): choosing the subset, saving it with a head,
+"""Vocabulary-pruned draft heads (decode/core/vocab.py, FR-Spec): choosing the subset, saving it with a head,
 drafting from it, and exactness of the arms that draft from it (greedy and sampling), with mutants
 that the checks must reject."""
 import json
@@ -7,18 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from decode.arms import ArmEnv, build_arm
-from decode.arms.eagle import EagleArm
-from decode.arms.early_exit import EarlyExitArm
-from decode.engine import SpecEngine
-from decode.errors import UserError
-from decode.heads import EagleHead, EarlyExitDrafter, load_head, save_head
-from decode.policies import build_policy
-from decode.policies.simple import Fixed
-from decode.sampling import SamplingConfig, choose_token
-from decode.target import Target
-from decode.verify import Verifier
-from decode.vocab import VOCAB_FILE, DraftVocab, count_tokens, expand_logits, select_draft_vocab
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.eagle import EagleArm
+from decode.choose.arms.early_exit import EarlyExitArm
+from decode.engine.loop import SpecEngine
+from decode.common.errors import UserError
+from decode.choose.heads import EagleHead, EarlyExitDrafter, load_head, save_head
+from decode.choose.policies import build_policy
+from decode.choose.policies.simple import Fixed
+from decode.core.sampling import SamplingConfig, choose_token
+from decode.core.target import Target
+from decode.core.verify import Verifier
+from decode.core.vocab import VOCAB_FILE, DraftVocab, count_tokens, expand_logits, select_draft_vocab
 from helpers import plain_greedy, tiny_llama
 from test_sampling_lossless import _chi2_ok, _exact_two_token_dist
 
@@ -237,7 +237,7 @@ def _mutant_q_unnormalised(tok, q, vocab):
 @pytest.mark.parametrize("mutant", [_mutant_q_unmapped, _mutant_q_unnormalised])
 def test_sampling_check_rejects_a_wrong_q(monkeypatch, mutant):
     """The chi-square check above has power against the two ways a pruned q goes wrong."""
-    import decode.arms.eagle.chain as eagle_arm
+    import decode.choose.arms.eagle.chain as eagle_arm
 
     eng, target, cfg, vocab = _sampling_setup("eagle")
     real = eagle_arm.choose_token
@@ -250,7 +250,7 @@ def test_sampling_check_rejects_a_wrong_q(monkeypatch, mutant):
 def test_draft_token_cost_divides_draft_time_per_token_by_the_target_step():
     from types import SimpleNamespace as NS
 
-    from decode.draft_cost import draft_token_cost
+    from decode.bench.draft_cost import draft_token_cost
 
     def gen(rounds):  # (drafted, draft seconds, verification-forward seconds) per round; one step = 8 ms
         return NS(rounds=[NS(drafted=n, step_time=0.008) for n, _, _ in rounds],

@@ -1,13 +1,13 @@
 """``python -m toolkit <command>``: builds artifacts for the decode runtime; one module per subcommand.
 
 A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Register new ones
-in :data:`COMMANDS` (one line each), as in :mod:`decode.cli`.
+in :data:`COMMANDS` (one line each), as in :mod:`decode.commands.cli`.
 """
 from __future__ import annotations
 
 import sys
 
-from decode.cli import dispatch
+from decode.commands.cli import dispatch
 
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, help)

@@ -2,7 +2,7 @@
 
 Every toolkit recipe (distillation, drafter training, ...) is a dataclass schema loaded with
 :func:`load_recipe`. The loader is strict so that a typo fails before hours of compute: unknown
-keys, missing required fields and wrong types raise :class:`decode.errors.UserError` naming the
+keys, missing required fields and wrong types raise :class:`decode.common.errors.UserError` naming the
 field (``generation.batch_size``) and the fix.
 
 Supported field types: ``bool``, ``int``, ``float`` (ints accepted), ``str``, ``Literal[...]``,
@@ -17,7 +17,7 @@ recipe or override that uses a moved field gets one line naming the new place in
 
 Device and dtype fields (every recipe that runs a model): ``device: str`` checked with
 :func:`check_device_spec` and ``dtype: DTypeName``; they are resolved on the machine that runs the job by
-:mod:`decode.device` (``auto`` = CUDA + bfloat16 when a GPU is visible, else CPU + float32). Only the
+:mod:`decode.common.device` (``auto`` = CUDA + bfloat16 when a GPU is visible, else CPU + float32). Only the
 spelling is checked at load, so a recipe naming ``cuda`` still prints on a machine without a GPU.
 """
 from __future__ import annotations
@@ -33,11 +33,11 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-from decode.errors import UserError
+from decode.common.errors import UserError
 
 T = TypeVar("T")
-DTypeName = Literal["auto", "float32", "bfloat16", "float16"]  # = "auto" + decode.device.DTYPES (tested)
-DEVICE_CHOICES = "auto|cpu|cuda[:N]"  # = decode.device.DEVICES
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]  # = "auto" + decode.common.device.DTYPES (tested)
+DEVICE_CHOICES = "auto|cpu|cuda[:N]"  # = decode.common.device.DEVICES
 _DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 TASK_RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "tasks"
 _SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -116,17 +116,17 @@ def _discriminated(tp) -> dict[str, type] | None:
 
 def check_device_spec(value: str, field: str) -> None:
     """Spelling of a device field (``auto|cpu|cuda[:N]``); whether the GPU exists is checked when the job
-    starts (:func:`decode.device.resolve_device`). No torch import: launch-time checks stay fast."""
+    starts (:func:`decode.common.device.resolve_device`). No torch import: launch-time checks stay fast."""
     if not isinstance(value, str) or not _DEVICE_RE.fullmatch(value.strip().lower()):
         raise UserError(f"{field} must be {DEVICE_CHOICES}, got {value!r}")
 
 
 def resolve_device_field(value: str, field: str):
-    """:func:`decode.device.resolve_device` for a recipe field, its errors phrased as overrides
+    """:func:`decode.common.device.resolve_device` for a recipe field, its errors phrased as overrides
     (``device=cuda: no CUDA device ...; use device=cpu or device=auto``)."""
     import torch
 
-    from decode.device import resolve_device
+    from decode.common.device import resolve_device
 
     spec = value.strip().lower()
     if spec.startswith("cuda") and not torch.cuda.is_available():
@@ -395,7 +395,7 @@ def task_recipe(task: str) -> Path:
 
 @dataclasses.dataclass
 class DraftVocabSection:
-    """The vocabulary a drafting head drafts from (decode/vocab.py, FR-Spec): the most frequent tokens of
+    """The vocabulary a drafting head drafts from (decode/core/vocab.py, FR-Spec): the most frequent tokens of
     the target's own outputs (the distilled responses it trains on) plus the special tokens. A recipe's
     ``draft_vocab: null`` drafts from the full vocabulary."""
 

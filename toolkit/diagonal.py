@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from decode.errors import UserError
-from decode.io import atomic_write_json, atomic_write_text
+from decode.common.errors import UserError
+from decode.common.io import atomic_write_json, atomic_write_text
 
 GENERALIST = "all"
 METRICS = {"label_agreement": "top-1 agreement with the target's response tokens (teacher-forced)",
@@ -193,10 +193,10 @@ def markdown(cells: dict, tasks: list[str], generalist: str, metric: str, verdic
 
 
 def run(args) -> int:
-    from decode.arms.model import DraftVocabLM, load_drafter_vocab
-    from decode.models import check_vocab_compatible, load_model
-    from decode.sampling import SamplingConfig
-    from decode.vocab import describe
+    from decode.choose.arms.model import DraftVocabLM, load_drafter_vocab
+    from decode.core.models import check_vocab_compatible, load_model
+    from decode.core.sampling import SamplingConfig
+    from decode.core.vocab import describe
 
     paths = parse_drafters(args.drafters)
     tasks = ([t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks

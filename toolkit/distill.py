@@ -34,11 +34,11 @@ from typing import Callable, ClassVar
 
 import torch
 
-from decode.device import dtype_name, resolve_dtype
-from decode.errors import UserError
-from decode.io import atomic_path, atomic_write_json
-from decode.models import DEFAULT_TARGET, eos_token_ids
-from decode.sampling import SamplingConfig, choose_token
+from decode.common.device import dtype_name, resolve_dtype
+from decode.common.errors import UserError
+from decode.common.io import atomic_path, atomic_write_json
+from decode.core.models import DEFAULT_TARGET, eos_token_ids
+from decode.core.sampling import SamplingConfig, choose_token
 
 from .config import DTypeName, check_device_spec, dump_yaml, load_recipe, resolve_device_field, task_recipe, to_dict
 from .data.filters import FilterConfig, first_match
@@ -149,7 +149,7 @@ def generate_batch(model, prompts: list[list[int]], *, sampling: SamplingConfig 
     Rows that finish leave the batch (their cache rows are dropped), so the remaining rows do not pay
     for them. ``sampling`` is one config or one per row (a batch may mix temperatures). Greedy rows
     equal ``model.generate(do_sample=False)`` for the same prompt; all rows draw through
-    :func:`decode.sampling.choose_token`, the one place logits are processed.
+    :func:`decode.core.sampling.choose_token`, the one place logits are processed.
     ``on_step(n)`` is told after every step how many tokens it produced (for progress displays).
     """
     from transformers import DynamicCache
@@ -296,7 +296,7 @@ def _fingerprint(recipe: DistillRecipe, units: list[Unit], prompt_ids: list[list
 def _load_tokenizer(recipe: DistillRecipe):
     from transformers import AutoTokenizer
 
-    from decode.models import resolve_path
+    from decode.core.models import resolve_path
 
     path = resolve_path(recipe.target)
     try:
@@ -389,7 +389,7 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
     session_tokens, session_gen_s = 0, 0.0
     if pending:
         if model is None:
-            from decode.models import load_model
+            from decode.core.models import load_model
 
             model, _ = load_model(recipe.target, dtype=dtype, device=device,
                                   trust_remote_code=recipe.trust_remote_code)

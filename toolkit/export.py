@@ -1,6 +1,6 @@
 """Export folders that the decode runtime loads directly.
 
-Layout: HF ``config.json`` + ``model.safetensors`` + tokenizer files (so ``decode.models.load_model``
+Layout: HF ``config.json`` + ``model.safetensors`` + tokenizer files (so ``decode.core.models.load_model``
 and the ``drafter:path=...`` arm read it as any local model) + a small metadata file
 (``drafter.json``): which target it was trained for (id and vocabulary hash), task, recipe, and the
 held-out evaluation once it exists. Folders are written to a temporary sibling and renamed, so a
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from decode.errors import UserError
-from decode.io import atomic_path, atomic_write_json
-from decode.models import vocab_fingerprint
+from decode.common.errors import UserError
+from decode.common.io import atomic_path, atomic_write_json
+from decode.core.models import vocab_fingerprint
 
 FORMAT = 1
 DRAFTER_META = "drafter.json"

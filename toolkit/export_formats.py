@@ -21,7 +21,7 @@ What each artifact kind can become (anything else is refused, never approximated
 Every EAGLE export is checked before it is published: the head read back from the exported folder
 (:func:`load_eagle_export`) must give the same draft logits as the original on fixed inputs.
 
-Pruned draft vocabularies (decode/vocab.py): EAGLE-1 layouts have no slot for one, so the exported head
+Pruned draft vocabularies (decode/core/vocab.py): EAGLE-1 layouts have no slot for one, so the exported head
 drafts from the target's whole vocabulary. Its logits over the N kept tokens are the trained head's
 exactly (the check compares those columns), but it may now draft tokens outside them: verification
 stays lossless, acceptance can differ slightly, and every draft pays the full LM head again. The
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from decode.errors import UserError
-from decode.io import atomic_path, atomic_write_json
+from decode.common.errors import UserError
+from decode.common.io import atomic_path, atomic_write_json
 
 FORMATS = ("eagle", "speculators", "hf")
 SUPPORTED = {"eagle": ("eagle", "speculators"), "drafter": ("hf",), "early_exit": (), "calibrator": ()}
@@ -55,7 +55,7 @@ SPECULATORS_SCHEMA = "0.4.0.1"
 
 def artifact_kind(folder: Path) -> str:
     """``eagle``/``early_exit``/``calibrator`` for a head folder, ``drafter`` for a drafter export."""
-    from decode.heads import HEAD_CONFIG, read_head_config
+    from decode.choose.heads import HEAD_CONFIG, read_head_config
 
     from .export import DRAFTER_META, read_metadata
 
@@ -103,7 +103,7 @@ def _passthrough(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _layer_config(target_config, n_layers: int) -> dict:
     """The target's config as a drafter of ``n_layers`` copies of its last layer (HF to_dict form)."""
-    from decode.heads.common import sub_config
+    from decode.choose.heads.common import sub_config
 
     last = target_config.num_hidden_layers - 1
     cfg = sub_config(target_config, [last] * n_layers).to_dict()
@@ -170,13 +170,13 @@ def speculators_layout(state: dict[str, torch.Tensor], target_config, folder, *,
 
 
 def load_eagle_export(folder, target) -> torch.nn.Module:
-    """An :class:`decode.heads.EagleHead` on ``target`` rebuilt from an ``eagle``-format export (the round trip
+    """An :class:`decode.choose.heads.EagleHead` on ``target`` rebuilt from an ``eagle``-format export (the round trip
     of :func:`eagle_layout`): two layers, the first a pass-through (a head with its input norm), or one layer
     without an input norm (a head trained with ``input_norm: false``)."""
     from safetensors.torch import load_file
 
-    from decode.heads import EagleHead
-    from decode.heads.common import check_signature
+    from decode.choose.heads import EagleHead
+    from decode.choose.heads.common import check_signature
 
     folder = Path(folder)
     cfg_path, weights = folder / "config.json", folder / WEIGHTS
@@ -233,7 +233,7 @@ def draft_logits(head, target, seed: int = 0, length: int = 12) -> torch.Tensor:
 def _verify_eagle(src: Path, exported: Path, target) -> float:
     """Max |Δlogit| between the original head and the one read back from ``exported`` over the tokens the
     original drafts from (all of them, or its pruned vocabulary); refuses any mismatch."""
-    from decode.heads import load_head
+    from decode.choose.heads import load_head
 
     ours = draft_logits(load_head(src, target, expect="eagle"), target)
     back = draft_logits(load_eagle_export(exported, target), target)
@@ -268,7 +268,7 @@ def serving_snippets(kind: str, fmt: str, out: Path, *, target: str, source: str
             "# with this project's runtime instead (it reads the original head folder):\n"
             f"#   python -m decode generate 'PROMPT' --target {target} --arms 'eagle:path={source},L={k}'\n"
             "# or rebuild it from this folder in Python:\n"
-            "from decode.models import load_model\nfrom toolkit.export_formats import load_eagle_export\n"
+            "from decode.core.models import load_model\nfrom toolkit.export_formats import load_eagle_export\n"
             f"target, tok = load_model({target!r})\nhead = load_eagle_export({path!r}, target)")
     sglang = (f"python -m sglang.launch_server --model-path {target} \\\n  --speculative-algorithm {sglang_algo} "
               f"--speculative-draft-model-path {path} \\\n  --speculative-num-steps {k} --speculative-eagle-topk 1 "
@@ -333,14 +333,14 @@ def export(artifact, fmt: str, out, *, target: str | None = None, num_tokens: in
         else:
             from safetensors.torch import load_file
 
-            from decode.heads import HEAD_WEIGHTS, read_head_config
-            from decode.models import load_model
+            from decode.choose.heads import HEAD_WEIGHTS, read_head_config
+            from decode.core.models import load_model
             head_cfg = read_head_config(src)
             target = target or head_cfg.get("target_spec") or head_cfg.get("target", {}).get("name_or_path")
             if not target:
                 raise UserError(f"{src}/head.json does not name its target; pass --target")
             model, _ = load_model(target)
-            from decode.heads.common import check_signature
+            from decode.choose.heads.common import check_signature
             check_signature(head_cfg.get("target", {}), model, src)
             state = load_file(str(src / HEAD_WEIGHTS))
             if fmt == "eagle":
@@ -348,7 +348,7 @@ def export(artifact, fmt: str, out, *, target: str | None = None, num_tokens: in
             else:
                 tensors, cfg, facts = speculators_layout(state, model.config, src, verifier=target, num_tokens=num_tokens)
             write_layout(tmp, tensors, cfg)
-            from decode.vocab import VOCAB_FILE
+            from decode.core.vocab import VOCAB_FILE
             if (src / VOCAB_FILE).exists():  # the layout has no slot for it: keep it beside, say what changes
                 shutil.copy2(src / VOCAB_FILE, tmp / VOCAB_FILE)
                 dv = head_cfg.get("draft_vocab") or {}
@@ -358,7 +358,7 @@ def export(artifact, fmt: str, out, *, target: str | None = None, num_tokens: in
             vllm_ok = not facts["fc_bias"]
             why = ("the head's fc layer has a bias, and vLLM's EAGLE-1 drafter (EagleLlamaForCausalLM) builds fc "
                    "without one; serve it with SGLang or EAGLE, or train a head whose fc has no bias") if not vllm_ok else ""
-        from decode.models import resolve_path
+        from decode.core.models import resolve_path
         meta["target"] = target
         vllm, readme = serving_snippets(kind, fmt, out, target=resolve_path(target), source=meta["source"],
                                         k=num_tokens, vllm_ok=vllm_ok,

@@ -30,9 +30,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from decode.errors import UserError
-from decode.io import atomic_write_json, atomic_write_text
-from decode.models import DEFAULT_TARGET
+from decode.common.errors import UserError
+from decode.common.io import atomic_write_json, atomic_write_text
+from decode.core.models import DEFAULT_TARGET
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEV_SUITE = "../shared/data/spec_bench/question_dev.jsonl"
@@ -129,7 +129,7 @@ def plan(target: str, budget_name: str, out: Path, suite: str) -> list[tuple[str
 
 
 def write_pool_file(out: Path, target: str, budget: str, arms: list[str]) -> Path:
-    """The pool file ``decode eval --pool`` reads (decode/pools.py): the trained heads are plain arm specs."""
+    """The pool file ``decode eval --pool`` reads (decode/engine/pools.py): the trained heads are plain arm specs."""
     text = (f"# Pool built by `python -m toolkit pool --target {target} --budget {budget}`\n"
             f"target: {target}\ndrafters: []\narms:\n" + "".join(f"  - {a}\n" for a in arms))
     path = out / "pool.yaml"

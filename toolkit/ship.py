@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from decode.device import DTYPES
-from decode.errors import UserError
-from decode.models import DEFAULT_TARGET
-from decode.heads.common import HEAD_CONFIG, HEAD_WEIGHTS, read_head_config
-from decode.vocab import VOCAB_FILE
+from decode.common.device import DTYPES
+from decode.common.errors import UserError
+from decode.core.models import DEFAULT_TARGET
+from decode.choose.heads.common import HEAD_CONFIG, HEAD_WEIGHTS, read_head_config
+from decode.core.vocab import VOCAB_FILE
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _check_same_drafts(src: Path, dst: Path, target_name: str) -> float:
     """Top-1 agreement of the shipped head with the original on random features; returns the agreement
     (1.0 expected, up to float16 rounding ties)."""
-    from decode.heads import load_head
-    from decode.models import load_model
+    from decode.choose.heads import load_head
+    from decode.core.models import load_model
 
     target, _ = load_model(target_name)
     a, b = load_head(src, target), load_head(dst, target)

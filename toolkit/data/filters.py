@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from decode.errors import UserError
+from decode.common.errors import UserError
 
 RuleName = Literal["empty", "truncated_mid_token", "repetition_loop", "length"]
 DEFAULT_RULES: tuple[str, ...] = ("empty", "truncated_mid_token", "repetition_loop")

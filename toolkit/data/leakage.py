@@ -19,8 +19,8 @@ import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
-from decode.errors import UserError
-from decode.io import iter_jsonl
+from decode.common.errors import UserError
+from decode.common.io import iter_jsonl
 
 DEFAULT_EVAL_FILES = ("../shared/data/spec_bench/question_dev.jsonl",)
 _NON_WORD = re.compile(r"[\W_]+", re.UNICODE)

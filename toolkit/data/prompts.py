@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from decode.errors import UserError
+from decode.common.errors import UserError
 
 from .leakage import EvalIndex, normalize
 from .sources import Prompt, Source, iter_source

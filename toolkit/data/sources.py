@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Literal, Union
 from urllib.parse import urlparse
 
-from decode.errors import UserError
-from decode.io import iter_jsonl
+from decode.common.errors import UserError
+from decode.common.io import iter_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_GSM8K = "../shared/data/gsm8k/train.jsonl"

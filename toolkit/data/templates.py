@@ -1,14 +1,14 @@
 """Prompt templates: a user-turn format plus the target's own chat template (when it has one).
 
 With ``user: "{prompt}"`` and no system prompt the ids equal what ``decode eval`` feeds the target
-(:func:`decode.suites.encode_prompt`), so distilled data matches the evaluation-time context.
+(:func:`decode.evaluation.suites.encode_prompt`), so distilled data matches the evaluation-time context.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from decode.errors import UserError
+from decode.common.errors import UserError
 
 SLOT = "{prompt}"
 

@@ -11,5 +11,5 @@
 * :mod:`.drafter`, :mod:`.eagle`, :mod:`.early_exit`, :mod:`.calibrator`  one kind each
 
 A kind's module supplies only what differs: its recipe schema, its model/module, its ``loss_fn`` and its
-export (drafter: an HF folder, :mod:`toolkit.export`; heads: a head folder, :func:`decode.heads.save_head`).
+export (drafter: an HF folder, :mod:`toolkit.export`; heads: a head folder, :func:`decode.choose.heads.save_head`).
 """

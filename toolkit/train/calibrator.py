@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from decode.errors import UserError
-from decode.io import atomic_path, atomic_write_text
-from decode.heads import CalibrationPredictor, load_head, read_head_config
+from decode.common.errors import UserError
+from decode.common.io import atomic_path, atomic_write_text
+from decode.choose.heads import CalibrationPredictor, load_head, read_head_config
 
 from .data import is_heldout
 from .heads import (HeadRecipe, count_trainable, finish, fit, head_fingerprint, head_placement,
@@ -93,9 +93,9 @@ def ece(probs: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> float:
 # --------------------------------------------------------------------------- collection
 
 def _build_arm(folder: str, target_model, target, tok, L: int):
-    from decode.arms.eagle import EagleArm
-    from decode.arms.early_exit import EarlyExitArm
-    from decode.sampling import SamplingConfig
+    from decode.choose.arms.eagle import EagleArm
+    from decode.choose.arms.early_exit import EarlyExitArm
+    from decode.core.sampling import SamplingConfig
 
     kind = read_head_config(folder).get("kind")
     head = load_head(folder, target_model)
@@ -111,13 +111,13 @@ def _build_arm(folder: str, target_model, target, tok, L: int):
 def collect_rows(recipe: CalibratorRecipe, target_model, tok, progress: bool = True) -> dict[str, torch.Tensor]:
     from tqdm.auto import tqdm
 
-    from decode.arms.base import Arm
-    from decode.engine import SpecEngine
-    from decode.policies.simple import Fixed
-    from decode.sampling import SamplingConfig
-    from decode.suites import encode_prompt
-    from decode.target import Target
-    from decode.verify import Verifier
+    from decode.choose.arms.base import Arm
+    from decode.engine.loop import SpecEngine
+    from decode.choose.policies.simple import Fixed
+    from decode.core.sampling import SamplingConfig
+    from decode.evaluation.suites import encode_prompt
+    from decode.core.target import Target
+    from decode.core.verify import Verifier
 
     c = recipe.collect
     folder = c.drafter or f"runs/heads/early_exit/{recipe.task}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from decode.errors import UserError, run_user_command
+from decode.common.errors import UserError, run_user_command
 
 from .kinds import KINDS, get_kind
 

@@ -1,6 +1,6 @@
 """Training examples from self-distilled sets (``make distill``), tokenised exactly as decode prompts.
 
-The prompt is rendered with :func:`decode.suites.encode_prompt` (the target's chat template, the same
+The prompt is rendered with :func:`decode.evaluation.suites.encode_prompt` (the target's chat template, the same
 ids ``decode eval`` feeds the target), the response is the target's own answer; only response tokens
 carry a label. The held-out split is by prompt hash, so one prompt distilled at several temperatures
 never lands on both sides.
@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from decode.errors import UserError
+from decode.common.errors import UserError
 
 ALL_TASKS = "all"
 # finish reasons after which the target emitted its end-of-turn token (appended as a label)
@@ -106,7 +106,7 @@ def encode_example(tokenizer, row: dict, max_length: int) -> dict:
     rows without them are rendered with the target's chat template and re-tokenised."""
     p_ids, r_ids = row.get("prompt_ids"), row.get("response_ids")
     if p_ids is None or r_ids is None:
-        from decode.suites import encode_prompt
+        from decode.evaluation.suites import encode_prompt
 
         p_ids = encode_prompt(tokenizer, row["prompt"])
         r_ids = list(tokenizer(row["response"], add_special_tokens=False)["input_ids"])

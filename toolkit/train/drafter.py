@@ -8,7 +8,7 @@ frozen target (forward KL or TRL's generalised JSD). Two-stage training is two r
 (every distilled task) then ``--task <t>`` with ``model.source=pretrained`` pointing at the first
 export. The run ends with an export folder and its held-out agreement/acceptance.
 
-Draft vocabulary (``draft_vocab``, FR-Spec; decode/vocab.py): after training, the most frequent tokens
+Draft vocabulary (``draft_vocab``, FR-Spec; decode/core/vocab.py): after training, the most frequent tokens
 of the target's own responses in the training split plus the special tokens — by default the fewest
 that cover 95% of them, as for the EAGLE and early-exit heads — are saved in the export as
 ``draft_vocab.safetensors``; the ``drafter`` arm drafts from them (``vocab=auto``). On a MetaSD-shaped
@@ -30,9 +30,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from decode.errors import UserError
-from decode.io import atomic_write_json
-from decode.models import DEFAULT_TARGET, check_vocab_compatible, load_model
+from decode.common.errors import UserError
+from decode.common.io import atomic_write_json
+from decode.core.models import DEFAULT_TARGET, check_vocab_compatible, load_model
 
 from ..config import DraftVocabSection, to_dict
 from .data import DataSection, collator, load_examples, split_heldout, tokenize_sft
@@ -343,7 +343,7 @@ def train_drafter(recipe: DrafterRecipe, task: str, *, recipe_file: str | None =
 def _heldout_eval(export: Path, vocab, target, held_ds, place: Placement, L: int) -> dict:
     """Held-out agreement/acceptance of the export as the decode arm loads it (its draft vocabulary
     included), plus the full-vocabulary figures and the vocabulary's size/coverage when it has one."""
-    from decode.arms.model import DraftVocabLM
+    from decode.choose.arms.model import DraftVocabLM
 
     from .metrics import heldout_agreement
 

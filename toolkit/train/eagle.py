@@ -8,7 +8,7 @@ With ``draft_vocab`` (default: the tokens covering 95% of the target's distilled
 logits cover only that subset; the CE term matches the target's distribution renormalised over the
 subset (the best a subset drafter can do), and agreement counts the drafted target id.
 
-EAGLE-3 options (ALGORITHMS.md §9; recipe ``recipes/heads/eagle3.yaml``; decode/heads/eagle.py):
+EAGLE-3 options (ALGORITHMS.md §9; recipe ``recipes/heads/eagle3.yaml``; decode/choose/heads/eagle.py):
 
 * ``head.features: fused``: the head reads target layers ``head.feature_layers`` (default EAGLE-3's
   (2, N//2, N-3)) through its ``fuse`` layer and predicts no feature; the loss is CE only.
@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from decode.errors import UserError
-from decode.heads import EagleHead
-from decode.heads.eagle import eagle3_layers
-from decode.hidden import layer_features
+from decode.common.errors import UserError
+from decode.choose.heads import EagleHead
+from decode.choose.heads.eagle import eagle3_layers
+from decode.core.hidden import layer_features
 
 from .data import collator
 from .features import FeatureCacheSection, with_feature_cache
@@ -55,7 +55,7 @@ KIND = "eagle"
 
 @dataclass
 class EagleSection:
-    init: Literal["identity", "last_layer", "random"] = "identity"  # see decode.heads.EagleHead
+    init: Literal["identity", "last_layer", "random"] = "identity"  # see decode.choose.heads.EagleHead
     ce_weight: float = 0.1  # EAGLE-1's w (features: final); fused heads have a CE-only loss and ignore it
     noise: float = 0.1  # half-width of U(-a, a) added to input features while training (0 = off)
     # serving layout: false/false = no input RMSNorm on the layer, no fc bias, which vLLM, SGLang and

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch.nn.functional as F
 
-from decode.heads import EarlyExitDrafter
+from decode.choose.heads import EarlyExitDrafter
 from toolkit.config import DraftVocabSection
 
 from .data import collator

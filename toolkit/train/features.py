@@ -27,8 +27,8 @@ from typing import Callable, Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from decode.errors import UserError
-from decode.io import atomic_path, atomic_write_json
+from decode.common.errors import UserError
+from decode.common.io import atomic_path, atomic_write_json
 
 META = "meta.json"
 INDEX = "cache_index"  # dataset column: the example's row in the cache

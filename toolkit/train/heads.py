@@ -16,9 +16,9 @@ from typing import Literal
 
 import torch
 
-from decode.errors import UserError
-from decode.io import atomic_write_json
-from decode.models import DEFAULT_TARGET
+from decode.common.errors import UserError
+from decode.common.io import atomic_write_json
+from decode.core.models import DEFAULT_TARGET
 from toolkit.data.leakage import DEFAULT_EVAL_FILES
 
 from .data import DataSection, load_examples, split_heldout, tokenize_sft
@@ -83,7 +83,7 @@ def head_placement(recipe: HeadRecipe) -> Placement:
 def load_frozen_target(spec: str, place: Placement | None = None):
     """The target, frozen, in float32 on the training device (its forwards run under autocast in the
     compute dtype; heads initialised from its layers start as float32 master weights)."""
-    from decode.models import load_model
+    from decode.core.models import load_model
 
     model, tok = load_model(spec, device=place.device if place else "cpu", dtype=torch.float32)
     model.eval()
@@ -120,7 +120,7 @@ def build_draft_vocab(section, examples, tokenizer, target):
     """The head's draft vocabulary from the target's own output tokens (the labelled response positions
     of the tokenised distilled training split; never open text, which the target did not write), or
     None for ``draft_vocab: null``. Prints the size and the coverage achieved."""
-    from decode.vocab import count_tokens, describe, select_draft_vocab, special_token_ids
+    from decode.core.vocab import count_tokens, describe, select_draft_vocab, special_token_ids
 
     if section is None:
         return None
@@ -211,7 +211,7 @@ class TextSetup:
     heldout: object
     train: object  # distilled + open text, shuffled
     open_rows: int
-    vocab: object  # decode.vocab.DraftVocab or None
+    vocab: object  # decode.core.vocab.DraftVocab or None
 
     def train_examples(self) -> dict:
         return {"distilled": len(self.distilled), "open_text": self.open_rows}
@@ -253,7 +253,7 @@ def count_trainable(module: torch.nn.Module) -> int:
 def finish(head, recipe: HeadRecipe, kind: str, out: Path, run: TrainRun, **fields) -> dict:
     """Save the head folder and its ``eval.json`` (the common report fields, the run's training summary —
     steps, seconds, tokens/s, whether the time budget stopped it — and the kind's ``fields``)."""
-    from decode.heads import save_head
+    from decode.choose.heads import save_head
     from toolkit.config import to_dict
 
     report = {"kind": kind, "task": recipe.task, "target": recipe.target, **fields,

@@ -11,7 +11,7 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from decode.errors import UserError
+from decode.common.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from decode.sampling import SamplingConfig, probs
+from decode.core.sampling import SamplingConfig, probs
 
 
 def position_stats(p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: SamplingConfig | None = None) -> dict:

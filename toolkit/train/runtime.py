@@ -36,8 +36,8 @@ from typing import Callable, ClassVar
 import torch
 from transformers import Trainer, TrainerCallback
 
-from decode.errors import UserError
-from decode.io import atomic_write_json
+from decode.common.errors import UserError
+from decode.common.io import atomic_write_json
 
 from ..config import DTypeName, check_device_spec, resolve_device_field, to_dict
 

@@ -1,0 +1,42 @@
+"""EAGLE arms: drafting in the target's feature space with a trained EAGLE head (ALGORITHMS.md §5, §7).
+
+``chain.py`` holds :class:`EagleArm` (chains; the true-feature bookkeeping every EAGLE arm shares) and
+``tree.py`` the tree arms built on it (EAGLE-2 dynamic trees, K sampled chains); this module registers the
+``eagle`` spec, which picks one of them. Import order: chain ← tree ← here (no cycle).
+"""
+from __future__ import annotations
+
+from typing import Annotated
+
+from ....common.errors import UserError
+from ...heads import load_head
+from ....common.specs import Range
+from ..base import ArmEnv, register
+from .chain import EagleArm
+from .tree import EagleChainsArm, EagleTreeArm
+
+__all__ = ["EagleArm", "EagleChainsArm", "EagleTreeArm"]
+
+TREES = ("chain", "dynamic")
+
+
+@register("eagle")
+def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None,
+          K: Annotated[int, Range(1)] = 1, tree: str = "chain", nodes: Annotated[int, Range(1)] = 16,
+          topk: Annotated[int, Range(1)] = 4):
+    """``eagle:path=HEAD,L=4`` a chain; ``K=k``: k i.i.d. sampled chains verified together (SpecTr k-Seq);
+    ``tree=dynamic,nodes=N,topk=k``: EAGLE-2's dynamic tree (decode/choose/arms/eagle/tree.py)."""
+    if tree not in TREES:
+        raise UserError(f"eagle: tree must be chain (default; K=k for k sampled chains) or dynamic (EAGLE-2, "
+                        f"with nodes=N,topk=k), got '{tree}'")
+    if tree == "dynamic" and K > 1:
+        raise UserError("eagle: K=k (sampled chains) and tree=dynamic (EAGLE-2) are two tree shapes; pick one")
+    head = load_head(path, env.target_model, expect="eagle")
+    if env.target is not None:
+        env.target.want_hidden = True
+    kw = dict(generator=env.generator, label=name, target=env.target, cache=env.cache)
+    if tree == "dynamic" or K > 1:
+        if tree == "dynamic":
+            return EagleTreeArm(head, env.target_model, env.sampling, L, nodes, topk, **kw)
+        return EagleChainsArm(head, env.target_model, env.sampling, L, K, **kw)
+    return EagleArm(head, env.target_model, env.sampling, L, **kw)

@@ -1,0 +1,154 @@
+"""Tree drafts from an EAGLE head (ALGORITHMS.md §7): EAGLE-2 dynamic trees, and K i.i.d. sampled
+chains (SpecTr's setting). Specs (built by the ``eagle`` arm's factory, decode/choose/arms/eagle/__init__.py):
+``eagle:path=HEAD,tree=dynamic,L=4,nodes=16,topk=4`` or ``eagle:path=HEAD,L=4,K=4``.
+
+Dynamic tree (EAGLE-2): the tree grows layer by layer; a node's value is the product of the head's
+confidences along its path; at each depth the ``topk`` most valuable nodes of the newest layer are
+expanded (fed to the head in one forward with a tree attention mask, decode/core/tree.py
+``tree_attention``) into their ``topk`` most likely children; finally the ``nodes`` most valuable
+nodes are kept (a child is never worth more than its parent, so a kept node's ancestors are kept) and
+numbered breadth-first, siblings by value.
+Children are deterministic top-k choices, so the draft is one-hot (``q`` None) and verification is
+exact in sampling mode too (recursive rejection sampling with one-hot q).
+
+Everything else (true features, the head cache holding only true entries) is the chain arm's
+(decode/choose/arms/eagle/chain.py); the tree's head-cache entries are cropped after drafting like the chain's.
+Length controllers do not apply to the dynamic tree (``keep_going`` is ignored): depth L and the node
+budget are the knobs. K chains: decode/core/tree.py ``sample_chains``, one head forward per depth.
+EAGLE-3 (fused) heads need nothing else: tree nodes feed the head's recurrent output back exactly as they feed
+an EAGLE-1 head's predicted feature (tests/test_eagle3.py).
+"""
+from __future__ import annotations
+
+
+import torch
+
+from ....core.draft import Draft
+from ....core.sampling import probs
+from ....core.target import check_tree_support
+from ....core.tree import sample_chains, tree_attention
+from .chain import EagleArm
+
+
+class _EagleTreeBase(EagleArm):
+    """What both tree sources add to the chain arm: head forwards over tree nodes (the first, true step is
+    the chain arm's ``_true_step``)."""
+
+    name = "eagle_tree"
+
+    def __init__(self, head, target_model, sampling, L: int = 4, **kw):
+        super().__init__(head, target_model, sampling, L, **kw)
+        check_tree_support(self.head.model.config)
+
+    def _step_tree(self, feats: torch.Tensor, tokens: list[int], parents: list[int], prefix: int) -> torch.Tensor:
+        """Feed the last len(tokens) nodes of the fed tree ``parents`` on top of ``prefix`` true entries."""
+        n = len(tokens)
+        self.cache.reserve(n)
+        pos, mask = tree_attention(torch.tensor(parents), prefix, self.cache.key_length(n), self.cache.dtype,
+                                   self.device, queries=n)
+        x = torch.tensor([tokens], device=self.device)
+        pred = self.head(feats.unsqueeze(0), x, past_key_values=self.cache.hf, attention_mask=mask, use_cache=True,
+                         position_ids=pos)
+        self.cache.advance(n)
+        return pred[0]
+
+
+class EagleTreeArm(_EagleTreeBase):
+    """EAGLE-2's dynamic tree (see the module docstring)."""
+
+    def __init__(self, head, target_model, sampling, L: int = 4, nodes: int = 16, topk: int = 4, **kw):
+        super().__init__(head, target_model, sampling, L, **kw)
+        self.nodes, self.topk = int(nodes), int(topk)
+
+    @property
+    def label(self) -> str:
+        return self._label or f"eagle_tree@{self.L}x{self.topk}/{self.nodes}nodes"
+
+    @property
+    def max_nodes(self) -> int:
+        return self.nodes
+
+    def _confidence(self, feats: torch.Tensor) -> torch.Tensor:
+        """The head's distribution over target ids after the shared logits processing ([n, V])."""
+        return probs(self.head.draft_logits(feats).float(), self.sampling)
+
+    @torch.inference_mode()
+    def propose(self, context, max_len, keep_going=None) -> Draft:
+        L, f = self._start(context, max_len)  # predicted feature after the context (the chain arm's first step)
+        if f is None:
+            return Draft.empty()
+        prefix = self.cache.length
+        tok, par, val, dep = [], [], [], []  # every node made: token, parent, value, depth
+        fed: list[int] = []  # nodes fed to the head, in feed order; their parents among fed nodes:
+        fed_par: list[int] = []
+        out_feat: dict[int, torch.Tensor] = {}  # fed node -> the head's predicted feature after it
+
+        def add_children(parent: int, dist: torch.Tensor):
+            top = torch.topk(dist, min(self.topk, dist.shape[-1]))
+            base = 1.0 if parent < 0 else val[parent]
+            for p, t in zip(top.values.tolist(), top.indices.tolist()):
+                if p > 0:  # a token the processed distribution excludes (top-k/top-p) is never drafted
+                    tok.append(t)
+                    par.append(parent)
+                    val.append(base * p)
+                    dep.append(1 if parent < 0 else dep[parent] + 1)
+
+        add_children(-1, self._confidence(f.unsqueeze(0))[0])
+        layer = list(range(len(tok)))
+        for _ in range(1, L):
+            expand = sorted(layer, key=lambda n: -val[n])[:self.topk]
+            if not expand:
+                break
+            slot = {n: i for i, n in enumerate(fed)}
+            feats = torch.stack([f if par[n] < 0 else out_feat[par[n]] for n in expand])
+            fed_par += [-1 if par[n] < 0 else slot[par[n]] for n in expand]
+            fed += expand
+            pred = self._step_tree(feats, [tok[n] for n in expand], fed_par, prefix)
+            dists = self._confidence(pred)
+            layer = []
+            for n, feat, dist in zip(expand, pred, dists):
+                out_feat[n] = feat
+                first = len(tok)
+                add_children(n, dist)
+                layer += range(first, len(tok))
+        self.cache.crop(self.entries)  # drop the tree's entries (built from predicted features)
+        keep = sorted(range(len(tok)), key=lambda n: (-val[n], n))[:self.nodes]
+        order = sorted(keep, key=lambda n: (dep[n], -val[n], n))
+        new = {n: i for i, n in enumerate(order)}
+        return Draft(torch.tensor([tok[n] for n in order], dtype=torch.long),
+                     parents=torch.tensor([-1 if par[n] < 0 else new[par[n]] for n in order], dtype=torch.long))
+
+
+class EagleChainsArm(_EagleTreeBase):
+    """K i.i.d. sampled chains from the head, verified with k-Seq (SpecTr)."""
+
+    def __init__(self, head, target_model, sampling, L: int = 4, K: int = 4, **kw):
+        super().__init__(head, target_model, sampling, L, **kw)
+        self.K = int(K)
+
+    @property
+    def label(self) -> str:
+        return self._label or f"eagle_tree@{self.L}x{self.K}chains"
+
+    @property
+    def max_nodes(self) -> int:
+        return self.K * self.L
+
+    @torch.inference_mode()
+    def propose(self, context, max_len, keep_going=None) -> Draft:
+        L, root = self._start(context, max_len)
+        if root is None:
+            return Draft.empty()
+        prefix = self.cache.length
+        out_feat: list[torch.Tensor] = []  # fed node -> the head's predicted feature after it
+
+        def feed(ids, parents):
+            new = parents[len(parents) - len(ids):]
+            pred = self._step_tree(torch.stack([root if p < 0 else out_feat[p] for p in new]), ids, parents, prefix)
+            out_feat.extend(pred)
+            return self.head.draft_logits(pred).float()
+
+        draft = sample_chains(self.head.draft_logits(root).float(), self.K, L, feed, self.sampling, self.generator,
+                              keep_going)
+        self.cache.crop(self.entries)  # drop the tree's entries (built from predicted features)
+        return draft

@@ -1,0 +1,378 @@
+"""Draft-length controllers (within a round, ALGORITHMS.md §4). They compose with any arm and any
+arm-selection policy: the engine asks for a fresh ``keep_going(arm)`` callback before each draft, the
+arm calls it before drafting token i ≥ 1 (token 0 is always drafted, the arm's L is the hard cap), and
+the engine reports the verification outcome with ``update(drafted, outcome, arm)``.
+
+Learnt state is kept PER ARM (keyed by the arm's index in the engine): EESD has one drafter, a pool
+has several whose acceptance rates differ, and one shared posterior would mix them.
+
+Callback: ``keep_going(i, dist_row, hidden=None) -> bool``; ``dist_row`` is the drafter's
+distribution that produced token i−1 (None for deterministic arms such as PLD), ``hidden`` the
+drafter's hidden state for token i−1 when the arm has one.
+
+Specs: ``fixed``, ``beta-ts:alpha=1,beta=1,seed=0``, ``cali-ts:sigma_m=0.2,sigma_s=0.5,theta0=0.6``,
+``cost:prior=1,confidence=false`` (not EESD's: chooses the length that maximises expected tokens per unit of cost on the
+device's measured verification curve, decode/core/cost.py).
+State resets per query unless ``carry=true``. Randomness comes from a seeded numpy Generator.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..core.draft import Outcome
+from ..common.errors import UserError
+from ..common.registry import Registry
+from ..common.specs import parse_spec
+
+
+class LengthController:
+    """Fixed L: draft up to the arm's speculation length (no early stop)."""
+
+    name = "fixed"
+    needs_target_hidden = False  # True: observe_target() must receive the target's hidden states
+    uses_cost = False  # True: the engine hands it its verification cost curve (use_cost) and probes it first
+
+    def __init__(self, seed: int = 0, carry: bool = False):
+        if seed < 0:
+            raise UserError(f"length controller {self.name}: seed must be an integer >= 0, got {seed}")
+        self.seed = seed
+        self.carry = bool(carry)
+        self.rng = np.random.default_rng(seed)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """(Re)initialise learnt state."""
+
+    def reset(self) -> None:
+        """New query: forget what was learnt unless ``carry``."""
+        if not self.carry:
+            self.rng = np.random.default_rng(self.seed)
+            self._init_state()
+
+    def keep_going(self, arm: int = 0, *, max_len: int | None = None, context: int = 0):
+        """Callback for ``Arm.propose`` of arm ``arm`` (None = never stop early); ``max_len``: the most tokens
+        this round may draft, ``context``: tokens of context (what the cost of a position depends on)."""
+        return None
+
+    def use_cost(self, curve) -> None:
+        """The engine's :class:`~decode.core.cost.CostCurve` (only called when ``uses_cost``)."""
+
+    def observe_round(self, record) -> None:
+        """The engine's :class:`~decode.core.draft.RoundRecord` of the round just played (draft time and step time)."""
+
+    def take_plans(self) -> list[tuple[float, float]]:
+        """(E[tokens], planned cost in steps) of every round planned since the last call, then forgets them
+        (what a report sets against the tokens and cost the rounds realised); [] for controllers that plan
+        nothing."""
+        return []
+
+    def update(self, drafted: int, outcome: Outcome, arm: int = 0) -> None:
+        """Learn from the round arm ``arm`` just had verified. ``outcome`` is the verifier's, before any
+        EOS truncation: an accepted token after an EOS is still evidence about the drafter."""
+
+    def observe_target(self, hidden) -> None:
+        """Target's last-layer hidden state at the last verified position (only when the target
+        computes hidden states); Cali-TS passes it to its predictor."""
+
+
+class BetaTS(LengthController):
+    """EESD Alg. 2: before each further draft token sample θ ~ Beta(α, β), χ ~ Bernoulli(θ); stop
+    when χ = 0.
+
+    Update convention: |Q_d| = drafted tokens, |Q_v| = accepted + 1 (tokens the round yields,
+    bonus included). Successes r = |Q_v| − 1 = accepted; trials n = min(|Q_v|, |Q_d|) = the positions
+    up to the first rejection (Alg. 2's Bernoulli trials; the target also scores later positions, but
+    drafting stops at a failure); so α += accepted and β += n − r = 1{a draft token was rejected}.
+    """
+
+    name = "beta-ts"
+
+    def __init__(self, alpha: float = 1.0, beta: float = 1.0, seed: int = 0, carry: bool = False):
+        if alpha <= 0 or beta <= 0:
+            raise UserError(f"beta-ts: alpha and beta must be > 0, got {alpha}, {beta}")
+        self.alpha0, self.beta0 = float(alpha), float(beta)
+        super().__init__(seed, carry)
+
+    def _init_state(self):
+        self.post: dict[int, list[float]] = {}  # arm -> [α, β]
+
+    def params(self, arm: int = 0) -> tuple[float, float]:
+        """(α, β) of arm ``arm``'s posterior."""
+        a, b = self.post.get(arm, (self.alpha0, self.beta0))
+        return a, b
+
+    def keep_going(self, arm=0, **_):
+        def cb(i, row=None, hidden=None):
+            theta = self.rng.beta(*self.params(arm))
+            return bool(self.rng.random() < theta)
+        return cb
+
+    def update(self, drafted, outcome, arm=0):
+        if drafted <= 0:
+            return
+        ab = self.post.setdefault(arm, [self.alpha0, self.beta0])
+        ab[0] += outcome.accepted
+        ab[1] += 1.0 if outcome.accepted < drafted else 0.0
+
+
+@dataclass
+class CaliContext:
+    """What a calibration predictor may look at for the i-th draft token (i ≥ 1)."""
+
+    i: int
+    dist_row: object | None  # drafter distribution that produced token i−1 ([V] tensor) or None
+    draft_hidden: object | None  # drafter hidden state for token i−1, when the arm provides it
+    target_hidden: object | None  # target last-layer hidden at the last verified position, if computed
+
+
+Predictor = Callable[[CaliContext], float]
+
+
+def top1_predictor(ctx: CaliContext) -> float | None:
+    """Default θ_M: the drafter's own top-1 probability for the previous draft token (None when the
+    arm is deterministic and has no distribution; Cali-TS then uses θ̂_0)."""
+    if ctx.dist_row is None:
+        return None
+    return float(ctx.dist_row.max())
+
+
+class CaliTS(LengthController):
+    """EESD Alg. 3: Gaussian posterior mixing a predictor's θ_M with the observed acceptance rate.
+
+    Per arm: n = its verified rounds so far (rounds that drafted ≥ 1 token), θ̂ = accepted / draft
+    positions up to the first rejection over those rounds (θ̂_0 before any):
+      μ = σ_S²/(nσ_M² + σ_S²)·θ_M + nσ_M²/(nσ_M² + σ_S²)·θ̂,  σ² = σ_M²σ_S²/(σ_S² + nσ_M²);
+      θ ~ N(μ, σ²), χ ~ Bernoulli(clip(θ, 0, 1)); stop when χ = 0.
+    ``predictor`` is any callable CaliContext → θ_M (or None = fall back to θ̂_0); from a spec
+    string: ``predictor=top1`` (the drafter's own top-1 probability, the default) or
+    ``predictor=<folder>`` (a calibrator trained by ``make train-calibrator``; it reads the target's
+    hidden states, so the evaluator turns them on when ``needs_target_hidden``).
+    """
+
+    name = "cali-ts"
+
+    def __init__(self, sigma_m: float = 0.2, sigma_s: float = 0.5, theta0: float = 0.6,
+                 predictor: Predictor | str | None = None, seed: int = 0, carry: bool = False):
+        if sigma_m <= 0 or sigma_s <= 0:
+            raise UserError(f"cali-ts: sigma_m and sigma_s must be > 0, got {sigma_m}, {sigma_s}")
+        if not 0 <= theta0 <= 1:
+            raise UserError(f"cali-ts: theta0 must be in [0, 1], got {theta0}")
+        self.sigma_m, self.sigma_s, self.theta0 = float(sigma_m), float(sigma_s), float(theta0)
+        if isinstance(predictor, str):
+            predictor = top1_predictor if predictor == "top1" else _load_trained_predictor(predictor)
+        self.predictor = predictor or top1_predictor
+        self.needs_target_hidden = getattr(self.predictor, "needs_target_hidden", False)
+        super().__init__(seed, carry)
+
+    def _init_state(self):
+        self.stats: dict[int, list[int]] = {}  # arm -> [n, accepted, positions up to the first rejection]
+        self.target_hidden = None
+
+    def counts(self, arm: int = 0) -> tuple[int, int, int]:
+        """(n, accepted, positions) of arm ``arm``."""
+        n, acc, scored = self.stats.get(arm, (0, 0, 0))
+        return n, acc, scored
+
+    def theta_hat(self, arm: int = 0) -> float:
+        _, acc, scored = self.counts(arm)
+        return acc / scored if scored else self.theta0
+
+    def posterior(self, theta_m: float, arm: int = 0) -> tuple[float, float]:
+        """(μ, σ) of arm ``arm``'s Gaussian posterior given the predictor's θ_M."""
+        vm, vs, n = self.sigma_m ** 2, self.sigma_s ** 2, self.counts(arm)[0]
+        mu = vs / (n * vm + vs) * theta_m + n * vm / (n * vm + vs) * self.theta_hat(arm)
+        return mu, math.sqrt(vm * vs / (vs + n * vm))
+
+    def keep_going(self, arm=0, **_):
+        def cb(i, row=None, hidden=None):
+            theta_m = self.predictor(CaliContext(i, row, hidden, self.target_hidden))
+            mu, sigma = self.posterior(self.theta0 if theta_m is None else float(theta_m), arm)
+            theta = min(1.0, max(0.0, self.rng.normal(mu, sigma)))
+            return bool(self.rng.random() < theta)
+        return cb
+
+    def update(self, drafted, outcome, arm=0):
+        if drafted <= 0:
+            return
+        st = self.stats.setdefault(arm, [0, 0, 0])
+        st[0] += 1
+        st[1] += outcome.accepted
+        st[2] += min(outcome.accepted + 1, drafted)
+
+    def observe_target(self, hidden):
+        self.target_hidden = hidden
+
+
+class CostAware(LengthController):
+    """Draft the length that pays most on this device: per round, k* = argmax over k = 1 … max_len of
+
+        E[tokens | k] / cost(k),  E[tokens | k] = 1 + Σ_{m=1..k} Π_{i≤m} a_i,  cost(k) = c(k + 1) + k · d
+
+    in one-token steps, where c is the engine's measured verification curve at this context length
+    (decode/core/cost.py), d the arm's measured cost of one drafted token (a running mean of draft seconds per
+    drafted token over the step time) and a_i the arm's acceptance rate at position i given positions < i
+    were accepted, (accepted_i + prior) / (reached_i + 2·prior) — a Beta(prior, prior) posterior mean. The
+    arm drafts k* tokens (fewer when it runs out; token 0 is always drafted, so a pool that may not
+    speculate at all holds ``none`` for the policy to pick). Per arm, reset per query unless ``carry``.
+    ``plans`` records every round's choice (k*, expected tokens, expected cost) per arm for reports.
+
+    Confidence stopping (``confidence=true``; off by default: with the shipped EAGLE head it measured no faster
+    than the k* plan, 23.9 vs 24.4 tokens/s at L=5 on Spec-Bench dev, 13 × 1 prompts, interleaved): an arm that drafts from a distribution (EAGLE,
+    early exit, drafter models) shows the controller each token's distribution before the next one is drafted,
+    so the plan is revised token by token. Drafted token j's acceptance is then â(q_j), its confidence q_j
+    (the distribution's top probability) calibrated on what this arm's tokens of that confidence actually
+    did: per arm and confidence decile, (accepted + s·q) / (reached + s) with s = ``prior_weight``
+    pseudo-observations at q itself (the drafter's own word until the data speak). Before drafting token i
+    the controller compares E_i / cost(i) — tokens expected from the i tokens already drafted — with the best
+    E_k / cost(k) over k = i+1 … max_len (tokens beyond i at the arm's position rates a); it drafts on only
+    when some longer draft pays more per step of cost on the curve. The round's recorded plan is the one it
+    finally stopped at. Deterministic arms (prompt lookup, suffix) show no distribution and keep k*."""
+
+    name = "cost"
+    uses_cost = True
+
+    BINS = 10  # confidence deciles of the calibration
+
+    def __init__(self, prior: float = 1.0, confidence: bool = False, prior_weight: float = 4.0, seed: int = 0,
+                 carry: bool = False):
+        if not prior > 0:
+            raise UserError(f"cost: prior must be > 0, got {prior}")
+        if not prior_weight > 0:
+            raise UserError(f"cost: prior_weight must be > 0 pseudo-observations, got {prior_weight}")
+        if not isinstance(confidence, bool):
+            raise UserError(f"cost: confidence must be true or false, got {confidence!r}")
+        self.prior, self.confidence, self.prior_weight = float(prior), confidence, float(prior_weight)
+        self.curve = None
+        super().__init__(seed, carry)
+
+    def _init_state(self):
+        self.reached: dict[int, list[int]] = {}  # arm -> rounds whose draft reached position i (index i-1)
+        self.accepted: dict[int, list[int]] = {}  # arm -> ... of which position i was accepted
+        self.draft_cost: dict[int, float] = {}  # arm -> drafted token in steps (running mean)
+        self.draft_rounds: dict[int, int] = {}
+        self.plans: dict[int, list[tuple[int, float, float]]] = {}  # arm -> [(k*, E[tokens], cost)]
+        self.pending: list[list[float]] = []  # [E[tokens], cost] of the rounds since take_plans()
+        # confidence calibration: arm -> per decile [reached, accepted]; this round's confidences
+        self.calib: dict[int, np.ndarray] = {}
+        self.round_conf: dict[int, list[float]] = {}
+
+    def use_cost(self, curve) -> None:
+        self.curve = curve
+
+    def rates(self, arm: int, L: int) -> list[float]:
+        """a_1 … a_L of arm ``arm``."""
+        reached, acc = self.reached.get(arm, []), self.accepted.get(arm, [])
+        return [((acc[i] if i < len(acc) else 0) + self.prior) / ((reached[i] if i < len(reached) else 0)
+                                                                    + 2 * self.prior) for i in range(L)]
+
+    def plan(self, arm: int, max_len: int, context: int) -> tuple[int, float, float]:
+        """(k*, E[tokens | k*], cost(k*)) for a round of arm ``arm`` of at most ``max_len`` drafted tokens."""
+        d = self.draft_cost.get(arm, 0.0)
+        best, expected, prefix = (1, 0.0, 0.0), 1.0, 1.0
+        for k, a in enumerate(self.rates(arm, max(1, max_len)), start=1):
+            prefix *= a
+            expected += prefix
+            c = (self.curve.steps(k + 1, context) if self.curve is not None else k + 1) + k * d
+            if k == 1 or expected / c > best[1] / best[2]:
+                best = (k, expected, c)
+        return best
+
+    def calibrated(self, arm: int, q: float) -> float:
+        """â(q): P(a token drafted with confidence q is accepted | its predecessors were), for arm ``arm``."""
+        b = min(int(q * self.BINS), self.BINS - 1)
+        reached, accepted = self.calib[arm][b] if arm in self.calib else (0.0, 0.0)
+        return (accepted + self.prior_weight * q) / (reached + self.prior_weight)
+
+    def revise(self, arm: int, confs: list[float], max_len: int, context: int) -> tuple[bool, float, float]:
+        """With ``len(confs)`` = i tokens drafted (their confidences): (draft token i?, E_i, cost(i))."""
+        i, d = len(confs), self.draft_cost.get(arm, 0.0)
+        expected, prefix = 1.0, 1.0
+        for q in confs:  # E_i = 1 + Σ_{m ≤ i} Π_{j < m} â(q_j)
+            prefix *= self.calibrated(arm, q)
+            expected += prefix
+        cost = (self.curve.steps(i + 1, context) if self.curve is not None else i + 1) + i * d
+        now, e = expected / cost, expected
+        for k, a in enumerate(self.rates(arm, max_len)[i:], start=i + 1):
+            prefix *= a
+            e += prefix
+            c = (self.curve.steps(k + 1, context) if self.curve is not None else k + 1) + k * d
+            if e / c > now:
+                return True, expected, cost
+        return False, expected, cost
+
+    def keep_going(self, arm=0, *, max_len=None, context=0):
+        k, expected, cost = self.plan(arm, max_len or 1, context)
+        self.plans.setdefault(arm, []).append((k, expected, cost))
+        plan = [expected, cost]
+        self.pending.append(plan)
+        confs = self.round_conf[arm] = []
+
+        def go(i, row=None, hidden=None):
+            if row is None or not self.confidence:
+                return i < k
+            confs.append(float(row.max()))
+            more, plan[0], plan[1] = self.revise(arm, confs, max_len or 1, context)
+            return more
+        return go
+
+    def take_plans(self) -> list[tuple[float, float]]:
+        out, self.pending = [tuple(p) for p in self.pending], []
+        return out
+
+    def update(self, drafted, outcome, arm=0):
+        if drafted <= 0:
+            return
+        reached, acc = self.reached.setdefault(arm, []), self.accepted.setdefault(arm, [])
+        upto = min(outcome.accepted + 1, drafted)  # positions reached: accepted ones and the first rejection
+        for lst in (reached, acc):
+            lst.extend([0] * (upto - len(lst)))
+        for i in range(upto):
+            reached[i] += 1
+        for i in range(outcome.accepted):
+            acc[i] += 1
+        confs = self.round_conf.pop(arm, [])
+        if confs:  # the confidences seen this round: calibrate â(q) on what happened to those tokens
+            table = self.calib.setdefault(arm, np.zeros((self.BINS, 2)))
+            for j, q in enumerate(confs[:upto]):
+                b = min(int(q * self.BINS), self.BINS - 1)
+                table[b] += (1.0, float(j < outcome.accepted))
+
+    def observe_round(self, record) -> None:
+        if record.drafted <= 0 or not record.step_time > 0:
+            return
+        n = self.draft_rounds.get(record.arm, 0) + 1
+        per_token = record.draft_time / record.drafted / record.step_time
+        old = self.draft_cost.get(record.arm, 0.0)
+        self.draft_rounds[record.arm] = n
+        self.draft_cost[record.arm] = old + (per_token - old) / n
+
+
+def _load_trained_predictor(folder: str) -> Predictor:
+    if not Path(folder).is_dir():
+        raise UserError(f"cali-ts: predictor '{folder}' is neither 'top1' nor a calibrator folder; train one "
+                        "with `make train-calibrator TASK=...` and pass predictor=<its output folder>")
+    from .heads.calibrator import load_predictor
+    return load_predictor(folder)
+
+
+LENGTHS = Registry("length controller")
+for _name, _cls in (("fixed", LengthController), ("beta-ts", BetaTS), ("cali-ts", CaliTS), ("cost", CostAware)):
+    LENGTHS.add(_name, _cls)
+
+
+def length_names() -> list[str]:
+    return LENGTHS.names()
+
+
+def build_length(spec: str | None, seed: int = 0) -> LengthController:
+    """``"beta-ts:alpha=2"`` → a controller (None/"" → fixed). ``seed`` is used unless the spec sets one."""
+    if not spec:
+        return LengthController(seed)
+    name, params = parse_spec(spec)
+    params.setdefault("seed", seed)
+    return LENGTHS.build(name, spec, **params)

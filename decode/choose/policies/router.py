@@ -1,0 +1,96 @@
+"""Per-round routing (ALGORITHMS.md §10): pick the arm for THIS round from features known before
+drafting, learnt online with full-information feedback.
+
+Before each round every model-free arm has already proposed from the prefix (decode/choose/feedback.py), so
+the router sees, per arm, the draft's length and the arm's match length (the n-gram length prompt
+lookup matched, the suffix automaton's match length). Context of arm j = (j, bucket(draft length),
+bucket(match length)), buckets 0, 1, 2, 3–4, 5–8, 9–16, 17+. The estimate for a context is its mean
+reward shrunk towards the arm's overall mean (``prior`` pseudo-observations), plus a UCB bonus
+c·sqrt(ln t / (n + 1)) for contexts seen rarely. Every round each scored arm's counterfactual reward
+is learnt under the features it had in that round, so contexts fill up at full-information speed; arms
+that cannot be scored (neural) have no per-round features and are learnt from their own rounds (one
+context each).
+
+A router chooses per round, so it is not bounded by the per-prompt oracle (one arm per prompt); the
+per-round oracle (best arm every round in hindsight) bounds it. Warm start: build the policy once with
+``carry=true`` and what it learnt on earlier prompts stays (``decode eval`` does this per method).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+
+from ...common.errors import UserError
+from .base import Policy, register
+
+
+def bucket(x: int) -> int:
+    """0, 1, 2, 3–4, 5–8, 9–16, 17+ → 0…6 (log-spaced: long matches differ less than short ones)."""
+    for b, hi in enumerate(_EDGES):
+        if x <= hi:
+            return b
+    return len(_EDGES)
+
+
+_EDGES = (0, 1, 2, 4, 8, 16)
+
+
+@register("router")
+class Router(Policy):
+    name = "router"
+    always_fullinfo = True
+
+    def __init__(self, n_arms, max_len, seed=0, prior: float = 2.0, c: float = 0.1, **kw):
+        if prior < 0:
+            raise UserError(f"router: prior must be >= 0 pseudo-observations, got {prior}")
+        if c < 0:
+            raise UserError(f"router: c must be >= 0, got {c}")
+        self.prior, self.c = float(prior), float(c)
+        super().__init__(n_arms, max_len, seed, **kw)
+
+    def reset(self):
+        super().reset()
+        self.sum_arm = np.zeros(self.K)
+        self.ctx_sum: dict[tuple, float] = defaultdict(float)
+        self.ctx_n: dict[tuple, int] = defaultdict(int)
+        self.features: dict[int, tuple[int, int]] = {}
+
+    def context(self, arm: int, features: dict | None) -> tuple:
+        f = (features or {}).get(arm)
+        return (arm,) if f is None else (arm, bucket(f[0]), bucket(f[1]))
+
+    def see(self, features: dict[int, tuple[int, int]]) -> None:
+        """The round's per-arm features (draft length, match length), before ``select``."""
+        self.features = features
+
+    def estimate(self, arm: int) -> float:
+        key = self.context(arm, self.features)
+        n = self.ctx_n.get(key, 0)
+        arm_mean = self.sum_arm[arm] / self.n_obs[arm]
+        mean = (self.ctx_sum.get(key, 0.0) + self.prior * arm_mean) / (n + self.prior) if n + self.prior > 0 \
+            else arm_mean
+        return mean + self.c * math.sqrt(math.log(self.t + 1) / (n + 1))
+
+    def select(self) -> int:
+        first = self.first_unobserved()
+        if first is not None:
+            return first
+        return int(np.argmax([self.estimate(j) for j in range(self.K)]))
+
+    def _learn(self, arm: int, value: float, features: dict | None) -> None:
+        u = self.reward.unit(value)
+        self.sum_arm[arm] += u
+        key = self.context(arm, features)
+        self.ctx_sum[key] += u
+        self.ctx_n[key] += 1
+
+    def _update(self, arm, value):
+        self._learn(arm, value, self.features)  # the played arm, under the features this round showed
+
+    def update_full(self, played, records, features=None):
+        for j, rec in records.items():
+            if j != played:
+                self.n_obs[j] += 1
+                self._learn(j, self.reward(rec), features)

@@ -1,0 +1,224 @@
+"""Serve the target behind an OpenAI-compatible HTTP API (chat and text completions, streaming, /v1/models,
+/health, /metrics), speculating with an arm pool whose policy keeps learning across requests and across
+restarts (its state is saved to --state-file after every request and on shutdown).
+
+Defaults: the trained pool that ships for the default target (recipes/pools/pretrained.yaml) under the
+per-round router (router:carry=true); other targets get the model-free arms pld:L=4 and suffix:L=6. One
+sequence is decoded at a time; requests wait in a fair first-come queue. Stop with Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import re
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+from ...common.device import dtype_name, resolve_device, resolve_dtype
+from ...engine.loop import build_engine
+from ...common.errors import UserError
+from ...evaluation.eval_config import CACHES, resolve_cache
+from ...core.linear import LINEAR_KINDS, resolve_linear
+from ...core.models import DEFAULT_TARGET, cache_dir, load_model
+from ...choose.policies import build_policy
+from ...choose.policies.simple import Fixed
+from ...engine.pools import REPO_ROOT, collect_arm_specs, load_pool
+from ...core.sampling import SamplingConfig
+from ...common.specs import split_specs
+from ...evaluation.suites import encode_prompt
+from .app import ServeConfig, create_app
+from .metrics import ServerMetrics
+from .worker import Worker
+
+SHIPPED_POOL = REPO_ROOT / "recipes" / "pools" / "pretrained.yaml"
+MODEL_FREE_ARMS = "pld:L=4;suffix:L=6"
+DEFAULT_POLICY = "router:carry=true"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ...common.device import DEVICES, DTYPES
+    from ...core.verify import BACKENDS
+    p.add_argument("--target", default=DEFAULT_TARGET, help="alias, local HF folder or hub id (default: %(default)s)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the hub")
+    p.add_argument("--arms", help="arm specs separated by ';' (default: the shipped pool for the default target, "
+                                  f"else '{MODEL_FREE_ARMS}')")
+    p.add_argument("--pool", help="pool YAML whose arms are added to --arms (pass --arms '' for the pool alone)")
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help="the policy choosing each round's arm; carry=true keeps learning across requests "
+                        "(default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0 = all)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port; 0 = any free port (default: %(default)s)")
+    p.add_argument("--served-model-name", help="the model id clients send and /v1/models lists (default: --target)")
+    p.add_argument("--max-model-len", type=int,
+                   help="context length in tokens, prompt + completion (default: the model's max_position_embeddings)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds from a request's arrival to its last token, queueing included (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for the engine; more are answered 503 (default: %(default)s)")
+    p.add_argument("--state-file",
+                   help="where the policy's learnt state is kept across restarts (default: one file per target, arms "
+                        "and policy under ~/.cache/adaspec/serve/; 'none' = do not keep it)")
+    p.add_argument("--seed", type=int, default=0, help="the policy's seed (a request's own 'seed' seeds its sampling)")
+    p.add_argument("--verifier", default="auto", choices=BACKENDS)
+    p.add_argument("--device", default="auto", help=f"{DEVICES} (auto = cuda when available, else cpu)")
+    p.add_argument("--dtype", default="auto", help=f"auto|{'|'.join(DTYPES)} (auto = bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--cache", choices=("auto", *CACHES), default="auto",
+                   help="KV cache kind (auto: static on CUDA or with --compile, dynamic on a CPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the verification forward (static cache)")
+    p.add_argument("--linear", choices=LINEAR_KINDS, default="auto", help="as in `decode eval` (default: %(default)s)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def arm_specs(args) -> list[str]:
+    """--arms (+ --pool), or the default pool: the shipped one for the default target, model-free otherwise."""
+    if args.arms is None and args.pool is None:
+        if args.target == DEFAULT_TARGET and SHIPPED_POOL.exists():
+            try:
+                return load_pool(SHIPPED_POOL)
+            except UserError as exc:  # e.g. the trained head is not there: say so, serve model-free arms
+                print(f"note: the shipped pool is not usable ({exc}); serving {MODEL_FREE_ARMS}", file=sys.stderr)
+        return split_specs(MODEL_FREE_ARMS)
+    return collect_arm_specs(args.arms, args.pool, MODEL_FREE_ARMS)
+
+
+def check_args(args) -> None:
+    """Everything that needs no model."""
+    for flag, v, lo in (("--port", args.port, 0), ("--max-queue", args.max_queue, 1), ("--threads", args.threads, 1),
+                        ("--max-model-len", args.max_model_len, 2), ("--seed", args.seed, 0)):
+        if v is not None and v < lo:
+            raise UserError(f"{flag} must be an integer >= {lo}, got {v}")
+    if args.port > 65535:
+        raise UserError(f"--port must be <= 65535, got {args.port}")
+    if not args.request_timeout > 0:
+        raise UserError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    if args.compile and args.cache == "dynamic":
+        raise UserError("--compile needs --cache static (a dynamic cache changes shape every round)")
+    try:
+        build_policy(args.policy, 2, 1)
+    except UserError as exc:
+        raise UserError(f"--policy: {exc}") from None
+
+
+def default_state_file(target: str, labels: list[str], policy: str) -> Path:
+    key = hashlib.sha256("\n".join([target, *labels, policy]).encode()).hexdigest()[:12]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(target).name or target).strip("-") or "target"
+    return cache_dir() / "serve" / f"{slug}-{key}.json"
+
+
+def build_server(args, err=sys.stderr):
+    """(app, worker, config) for ``args``: the target loaded, the pool built and warmed up, the state loaded."""
+    check_args(args)
+    specs = arm_specs(args)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    cache = resolve_cache(args.cache, device, args.compile)
+    linear = resolve_linear(args.linear, device, dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    err.write(f"loading {args.target} ({device}, {dtype_name(dtype)}, {cache} cache, {linear} linears)…\n")
+    torch.manual_seed(args.seed)
+    model, tok = load_model(args.target, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
+    context = args.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if context < 2:
+        raise UserError(f"{args.target} declares no max_position_embeddings; pass --max-model-len")
+    gen = torch.Generator().manual_seed(args.seed)
+    engine = build_engine(model, tok, specs, SamplingConfig(), gen, cache=cache, compile=args.compile, linear=linear,
+                          verifier=args.verifier, target_name=args.target, trust_remote_code=args.trust_remote_code)
+    labels = [a.label for a in engine.arms]
+    # one untimed decode: one-off costs (and compiling, with --compile) before the first request, and the
+    # step time the throughput reward uses; a fixed arm, so the policy learns nothing from it
+    warm = encode_prompt(tok, "Hello")
+    info = engine.prepare([len(warm)], 16, show=True)
+    if info is not None:
+        err.write(f"compiled {info['graphs']} target graph(s) in {info['seconds']:.0f} s\n")
+    engine.generate(warm, Fixed(len(labels), engine.max_len), 8)
+    state = None if (args.state_file or "").lower() == "none" else (
+        Path(args.state_file) if args.state_file else default_state_file(args.target, labels, args.policy))
+    name = args.served_model_name or args.target
+    worker = Worker(engine, tok, gen, args.policy, metrics=ServerMetrics(), max_queue=args.max_queue,
+                    state_file=state, target=args.target, seed=args.seed)
+    cfg = ServeConfig(model_name=name, context=context, request_timeout=args.request_timeout)
+    notes = [f"arms: {', '.join(labels)}", f"policy: {args.policy}"]
+    if not worker.policy.carry:
+        notes.append("the policy learns per request only (add carry=true to learn across requests)")
+    elif state is not None:
+        notes.append(f"state file: {state}" + (f" ({worker.requests_learnt} requests learnt)"
+                                                if worker.requests_learnt else " (new)"))
+    err.write("; ".join(notes) + "\n")
+    return create_app(worker, tok, cfg), worker, cfg
+
+
+def run(args) -> int:
+    import uvicorn
+
+    app, worker, cfg = build_server(args)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        raise UserError(f"cannot listen on {args.host}:{args.port} ({exc.strerror}); pick another --port "
+                        "(0 = any free one)") from None
+    port = sock.getsockname()[1]
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    worker.start()
+    print(f"serving {cfg.model_name!r} at http://{args.host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    # no lifespan events (the worker starts and stops here); uvicorn re-raises the Ctrl-C it shut down on
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="off"))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        worker.stop()
+        if worker.state_file is not None and worker.policy.carry:
+            print(f"policy state saved to {worker.state_file} ({worker.requests_learnt} requests learnt)",
+                  file=sys.stderr)
+    return 0
+
+
+class RunningServer:
+    """A server inside this process on a free loopback port, for tests and benchmarks:
+    ``with RunningServer(["--target", ..., "--arms", ...]) as s: s.url, s.model, s.worker``. The target loads in
+    the constructor; leaving the block stops uvicorn, then the worker (which saves the policy state)."""
+
+    def __init__(self, argv: list[str]):
+        import io
+        p = argparse.ArgumentParser(prog="decode serve")
+        add_arguments(p)
+        args = p.parse_args([*argv, "--host", "127.0.0.1", "--port", "0"])
+        self._threads = torch.get_num_threads()
+        self.log = io.StringIO()
+        self.app, self.worker, self.cfg = build_server(args, err=self.log)
+        self.model = self.cfg.model_name
+        self.url = None
+
+    def __enter__(self) -> "RunningServer":
+        import threading
+        import time
+
+        import uvicorn
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.worker.start()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.worker.stop()
+        torch.set_num_threads(self._threads)

@@ -1,0 +1,331 @@
+"""The one thread that owns the engine: it decodes queued requests one at a time, in arrival order.
+
+A request (``Job``) carries everything its decode needs (prompt ids, token budget, sampling, seed, stop
+strings, an optional arm subset) and a thread-safe event channel back to the HTTP handler waiting on it:
+``("text", piece)`` as rounds accept tokens, then ``("done", Result)`` or ``("error", APIError)``. Between
+rounds the worker checks the job's cancel flag (a client that disconnected) and its deadline, so the engine is
+free again within one round.
+
+Learning across requests: the server's policy is built once (``carry=true`` keeps what it learnt from one
+request to the next) and its state is written to the state file after every request and on shutdown, and read
+back at start. A request that names its own arm subset gets a fresh policy of the same spec over that subset
+(its rounds do not teach the pool's policy, whose arms differ).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import random
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ...common import metrics as m
+from ...engine.loop import SpecEngine
+from ...common.errors import UserError
+from ..generate import IncrementalText, decode_text
+from ...common.io import atomic_write_json
+from ...choose.policies import build_policy
+from ...choose.policies.simple import Fixed
+from ...choose.policies.state import load_policy_state, policy_state
+from ...core.sampling import SamplingConfig
+from .metrics import ServerMetrics
+from .protocol import APIError
+
+log = logging.getLogger("decode.commands.serve")
+STATE_FORMAT = "adaspec-serve-state/1"
+
+
+@dataclass
+class Result:
+    finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    info: dict  # the response's ``adaspec`` field
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Job:
+    endpoint: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    seed: int | None
+    stops: list[str]
+    arms: tuple[int, ...] | None  # indices into the server's arms; None = the whole pool under its policy
+    timeout: float
+    return_token_ids: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    events: asyncio.Queue | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def deadline(self) -> float:
+        return self.arrival + self.timeout
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.events = loop, asyncio.Queue()
+
+    def emit(self, kind: str, payload) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+            except RuntimeError:  # the loop closed in between (server shutting down): nobody is listening
+                pass
+
+
+class StopText:
+    """Text handed out so that no stop sequence ever shows: the tail that could still begin one is held back
+    until the next piece decides it."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.held = ""
+
+    def feed(self, piece: str) -> tuple[str, str | None]:
+        """(text safe to hand out, the stop sequence found or None); after a stop, nothing more is handed out."""
+        buf = self.held + piece
+        hits = [(buf.find(s), s) for s in self.stops if s in buf]
+        if hits:
+            at, stop = min(hits)
+            self.held = ""
+            return buf[:at], stop
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
+                    if buf.endswith(s[:k])), default=0)
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], None
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+class Worker:
+    """The engine's owner. ``submit`` queues a job (503 when the queue is full); ``start``/``stop`` run the
+    thread; ``stop`` saves the policy state."""
+
+    def __init__(self, engine: SpecEngine, tokenizer, generator: torch.Generator, policy_spec: str, *,
+                 metrics: ServerMetrics, max_queue: int = 64, state_file: str | Path | None = None,
+                 target: str = "target", seed: int = 0):
+        self.engine, self.tok, self.gen = engine, tokenizer, generator
+        self.labels = [a.label for a in engine.arms]
+        self.policy_spec = policy_spec
+        self.policy = build_policy(policy_spec, len(self.labels), engine.max_len, seed=seed)
+        self.metrics = metrics
+        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.state_file = Path(state_file) if state_file else None
+        self.target = target
+        self.requests_learnt = 0
+        self._rng = random.Random()
+        self._subsets: dict[tuple[int, ...], SpecEngine] = {}
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # one state write at a time (worker thread vs shutdown)
+        self._decode_text = decode_text(tokenizer)
+        if self.state_file is not None and self.state_file.exists():
+            self._load_state()
+
+    # ---- policy state ----------------------------------------------------------------------------------
+
+    def _state_header(self) -> dict:
+        return {"format": STATE_FORMAT, "target": self.target, "arms": self.labels, "policy_spec": self.policy_spec}
+
+    def _load_state(self) -> None:
+        path = self.state_file
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"--state-file {path}: unreadable ({exc}); delete it to start learning afresh") from None
+        want = self._state_header()
+        for key in ("format", "target", "arms", "policy_spec"):
+            if saved.get(key) != want[key]:
+                raise UserError(f"--state-file {path} was saved with {key} = {saved.get(key)!r}; this server has "
+                                f"{want[key]!r}. Pass the same {key.replace('_', ' ')}, another --state-file, or "
+                                f"delete the file to start learning afresh")
+        load_policy_state(self.policy, saved["policy"], f"--state-file {path}")
+        self.requests_learnt = int(saved.get("requests", 0))
+        log.info("policy state loaded from %s (%d requests learnt)", path, self.requests_learnt)
+
+    def save_state(self) -> None:
+        """Write the policy's state (atomically: a crash mid-write leaves the previous file)."""
+        if self.state_file is None or not self.policy.carry:
+            return
+        with self._lock:
+            atomic_write_json(self.state_file, {**self._state_header(), "requests": self.requests_learnt,
+                                                "saved_unix": time.time(), "policy": policy_state(self.policy)})
+
+    # ---- the queue ---------------------------------------------------------------------------------------
+
+    def arm_indices(self, labels: list[str]) -> tuple[int, ...]:
+        unknown = [x for x in labels if x not in self.labels]
+        if unknown:
+            raise APIError(400, f"adaspec.arms: unknown arm {unknown[0]!r}; this server's arms are "
+                                f"{', '.join(self.labels)}", param="adaspec")
+        if len(set(labels)) != len(labels):
+            raise APIError(400, "adaspec.arms: an arm is named twice", param="adaspec")
+        return tuple(sorted(self.labels.index(x) for x in labels))
+
+    def submit(self, job: Job) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            raise APIError(503, "the decoding worker is not running", type="server_error")
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            raise APIError(503, f"the server is busy: {self.queue.maxsize} requests are already waiting; retry "
+                                "later", type="server_error", code="queue_full") from None
+        self.metrics.queue.set(self.queue.qsize())
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="adaspec-decoder", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel what is queued, let the running request end within a round, save the state."""
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancelled.set()
+                job.emit("error", APIError(503, "the server is shutting down", type="server_error"))
+        if self._thread is not None and self._thread.is_alive():
+            self.queue.put(None)
+            self._thread.join(timeout)
+        self.save_state()
+
+    def _run(self) -> None:
+        while True:
+            job = self.queue.get()
+            self.metrics.queue.set(self.queue.qsize())
+            if job is None:
+                return
+            if job.cancelled.is_set():  # its client left while it waited
+                self.metrics.requests.labels(job.endpoint, "cancelled").inc()
+                continue
+            if time.monotonic() > job.deadline:
+                self.metrics.requests.labels(job.endpoint, "timeout").inc()
+                job.emit("error", _timeout(job))
+                continue
+            self.metrics.running.set(1)
+            try:
+                self._decode(job)
+            except Exception as exc:  # a bug must not kill the server: answer it and go on to the next job
+                if not isinstance(exc, APIError):
+                    log.error("decoding failed:\n%s", traceback.format_exc())
+                    exc = APIError(500, f"internal error while decoding: {type(exc).__name__}: {exc}",
+                                   type="server_error")
+                self.metrics.requests.labels(job.endpoint, str(exc.status)).inc()
+                job.emit("error", exc)
+            finally:
+                self.metrics.running.set(0)
+
+    # ---- one request -------------------------------------------------------------------------------------
+
+    def _engine_for(self, job: Job):
+        if job.arms is None:
+            return self.engine, self.policy, self.policy_spec
+        eng = self._subsets.get(job.arms)
+        if eng is None:
+            base = self.engine
+            eng = SpecEngine(base.target, [base.arms[i] for i in job.arms], base.verifier, base.eos,
+                             step_time=base.step_time)
+            self._subsets[job.arms] = eng
+        if len(job.arms) == 1:
+            return eng, Fixed(1, eng.max_len), "fixed"
+        return eng, build_policy(self.policy_spec, len(job.arms), eng.max_len, seed=0), self.policy_spec
+
+    def _decode(self, job: Job) -> None:
+        engine, policy, spec = self._engine_for(job)
+        labels = [a.label for a in engine.arms]
+        engine.set_sampling(job.sampling)
+        self.gen.manual_seed(job.seed if job.seed is not None else self._rng.getrandbits(63))
+        start = time.monotonic()
+        state = engine.begin(job.prompt_ids, policy, job.max_tokens)
+        text, stops = IncrementalText(self._decode_text), StopText(job.stops)
+        sent, stop_hit, first = "", None, None
+        outcome = None
+        while not state.done:
+            if job.cancelled.is_set():
+                outcome = "cancelled"
+                break
+            if time.monotonic() > job.deadline:
+                outcome = "timeout"
+                break
+            r = engine.step(state)
+            self.metrics.round(r.record, labels[r.arm])
+            piece, stop_hit = stops.feed(text.push(r.tokens))
+            if piece:
+                first = first or time.monotonic()
+                sent += piece
+                job.emit("text", piece)
+            if stop_hit is not None:
+                break
+        g = engine.finish(state)
+        tokens = list(g.tokens)
+        if outcome is None and stop_hit is None:  # the end: what was held back for a stop that never came
+            piece, stop_hit = stops.feed(text.flush())
+            piece += "" if stop_hit is not None else stops.flush()
+            if piece:
+                first = first or time.monotonic()
+                sent += piece
+                job.emit("text", piece)
+        if stop_hit is not None:  # the tokens that made the text up to the end of the stop sequence
+            tokens = self._tokens_through(tokens, len(sent) + len(stop_hit))
+        seconds = g.setup_time + sum(t.total for t in g.step_times)
+        self.metrics.generation(len(job.prompt_ids), len(g.tokens), g.target_forwards, seconds)
+        if job.arms is None and policy.carry:
+            self.requests_learnt += 1
+            self.save_state()
+        if outcome == "timeout":
+            job.emit("error", _timeout(job))
+            self.metrics.requests.labels(job.endpoint, "timeout").inc()
+            return
+        if outcome == "cancelled":
+            self.metrics.requests.labels(job.endpoint, "cancelled").inc()
+            return
+        end = time.monotonic()
+        self.metrics.latency.observe(end - job.arrival)
+        self.metrics.first_token.observe((first or end) - job.arrival)
+        reason = "stop" if stop_hit is not None or g.stopped_by == "eos" else "length"
+        pulls = m.pull_counts([r.arm for r in g.rounds], labels)
+        info = {"mat": round(m.mat(len(g.tokens), g.target_forwards), 4), "target_forwards": g.target_forwards,
+                "rounds": len(g.rounds), "policy": spec, "arm_set": labels,
+                "arms": {k: v for k, v in pulls.items() if v}, "arms_played": [labels[r.arm] for r in g.rounds],
+                "decode_seconds": round(seconds, 4), "tokens_per_s": round(m.tokens_per_s(len(g.tokens), seconds), 2),
+                "queue_seconds": round(start - job.arrival, 4)}
+        if job.return_token_ids:
+            info["token_ids"] = tokens
+        self.metrics.requests.labels(job.endpoint, "ok").inc()
+        job.emit("done", Result(reason, sent, tokens, len(job.prompt_ids), info))
+
+    def _tokens_through(self, tokens: list[int], chars: int) -> list[int]:
+        """The shortest prefix of ``tokens`` whose text reaches ``chars`` characters (a longer prefix's text
+        extends a shorter one's, so its length grows with the prefix: bisect)."""
+        lo, hi = 1, len(tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self._decode_text(tokens[:mid])) >= chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return tokens[:lo]
+
+
+def _timeout(job: Job) -> APIError:
+    return APIError(504, f"the request took longer than the server's --request-timeout of {job.timeout:g} s",
+                    type="timeout_error", code="timeout")

@@ -1,0 +1,421 @@
+"""Target: the verifier model behind a KV cache, with prefill, scoring and rollback.
+
+Cache invariant: for a context of n tokens the cache holds the first n-1; each round feeds
+``[last token] + draft`` so every round (also the first) is one forward pass of L+1 positions.
+
+KV caches (``KVCache``, shared with the arms that own a cache: drafter, early-exit, EAGLE) come in
+two kinds, chosen per run (``cache="dynamic"|"static"``):
+
+- ``dynamic``: HF ``DynamicCache``; tensors grow by concatenation, rollback crops them.
+- ``static``: HF ``StaticCache``, pre-allocated ``[1, kv_heads, capacity, head_dim]`` per layer (the
+  model's device and dtype); rollback only moves a length pointer. In transformers 5.x a static
+  layer writes each forward's keys/values at its own ``cumulative_length`` (a 0-d tensor) and the
+  causal mask's query offset is read from it, so the pointer is exactly that counter: ``crop`` sets
+  it on every layer (in place, the tensor keeps its address for torch.compile), and every forward
+  is given explicit ``position_ids`` from our own ``length`` (never from ``get_seq_length``).
+
+  Why stale entries beyond the pointer are harmless: a forward of n tokens at pointer p first writes
+  slots p..p+n-1 (every layer's ``update`` runs before its attention reads), and its causal mask lets
+  query p+i see key slots ≤ p+i only; so every slot a query reads was written by this forward or is
+  an accepted entry below p, and slots > p+n-1 (rejected drafts, an earlier longer prompt) are masked.
+  tests/test_static_cache.py checks it (draft, roll back, score a different draft, compare with a
+  fresh dynamic computation) instead of assuming it.
+
+  Capacity (the allocation's length), a clear rule, never a silent truncation:
+  * ``max_cache_len`` given (Target/KVCache constructor): a fixed allocation of exactly that many
+    slots, reused for every sequence; a sequence that needs more is a ``UserError`` naming the
+    numbers (at ``start`` when its declared capacity is larger, else at the forward that overflows).
+  * ``max_cache_len=None`` (default): ``start(capacity)`` allocates ``capacity`` (undeclared: the
+    prompt + ``CACHE_BUCKET``) rounded up to a multiple of ``CACHE_BUCKET`` (256), reusing the
+    current allocation when it is already large enough (an evaluation allocates a few times, not
+    once per prompt); a forward that would overflow re-allocates to max(2 × capacity, need rounded
+    up) and copies the kept prefix. The engine declares the need at prefill: prompt +
+    max_new_tokens + max draft length + 1 (a safe bound: a round writes at most prompt +
+    max_new_tokens − 1 slots).
+  Models whose cache layers are not plain full-attention static layers (sliding-window, linear
+  attention) are refused with cache="static": their static layers roll their buffers and cannot be
+  rolled back by a pointer.
+
+``Target(..., compile=True)`` (static cache only) runs chain verification forwards through one static-shape
+graph per number of positions (decode/core/compiled.py: the sizes a run needs are compiled at load by
+``warm_up``; inductor's on-disk cache makes later runs cheap). The cache capacity is part of a graph's
+shape, so a run declares its largest need once (``reserve_capacity``) and later prompts reuse that
+allocation. The prefill and tree forwards stay eager (their lengths and masks vary).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
+
+from .draft import Draft
+from .hidden import HiddenStates, LayerSelector, check_hidden_layers, layer_runs
+from ..common.errors import UserError
+from .tree import tree_attention
+from .compiled import CompiledForward
+
+CACHE_KINDS = ("dynamic", "static")
+CACHE_BUCKET = 256  # static allocations are multiples of this many slots (max_cache_len=None)
+
+
+@dataclass
+class ScoreResult:
+    logits: torch.Tensor  # [L+1, V] at [last token] + draft
+    hidden: HiddenStates | None  # at the same L+1 positions when the target computes hidden states
+
+
+def crop_cache(cache, keep: int) -> None:
+    """Crop an HF cache to its first ``keep`` tokens.
+
+    ``DynamicCache.crop`` changed meaning across transformers versions (older: positive = final
+    length; 5.x: only negative = number of tokens to remove). A negative count means "remove this
+    many" in both, so always pass that.
+    """
+    remove = int(cache.get_seq_length()) - keep
+    if remove < 0:
+        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {keep}")
+    if remove:
+        cache.crop(-remove)
+
+
+def auto_cache_kind(device, compile: bool = False) -> str:
+    """``--cache auto``: static on CUDA or under torch.compile (stable shapes), dynamic on a CPU, where
+    the static cache measured 7% slower per round side by side (``bench-round --cache both``, default
+    target, 2 threads: its attention spans the whole allocation)."""
+    return "static" if compile or torch.device(device).type == "cuda" else "dynamic"
+
+
+def check_tree_support(config) -> None:
+    """Tree drafts pass one 4-D mask to every layer, which is right for full attention only (a
+    sliding-window layer would need its window applied too): refuse other layer types by name."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    other = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]) - {"full_attention"})
+    if other:
+        raise UserError(f"tree drafts need full-attention layers; this model also has {other} layers: use chain "
+                        "drafts (arms without tree=, K= or union) with it")
+
+
+def check_cache_kind(kind: str) -> str:
+    if kind not in CACHE_KINDS:
+        raise UserError(f"cache must be one of {', '.join(CACHE_KINDS)}, got '{kind}'")
+    return kind
+
+
+def _round_up(n: int, to: int = CACHE_BUCKET) -> int:
+    return max(to, -(-n // to) * to)
+
+
+def _kv_dims(config) -> tuple[int, int]:
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return kv, head_dim
+
+
+class KVCache:
+    """The KV cache of one sequence, with a length pointer (see the module docstring).
+
+    ``hf`` is the HF cache object to pass as ``past_key_values``; ``length`` is the number of cached
+    tokens. Protocol around a forward of n tokens: ``pos = kv.positions(n)`` (checks/grows capacity,
+    returns the position ids), run the model with ``past_key_values=kv.hf, position_ids=pos``, then
+    ``kv.advance(n)``. ``crop(keep)`` rolls back.
+    """
+
+    def __init__(self, config, kind: str = "dynamic", max_cache_len: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        self.kind = check_cache_kind(kind)
+        if max_cache_len is not None and int(max_cache_len) < 1:
+            raise UserError(f"max_cache_len must be >= 1 (or None to size the cache per prompt), got {max_cache_len}")
+        self.config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.dtype = dtype or torch.float32
+        self.hf = None
+        self.length = 0
+        self.capacity = 0  # allocated slots (static); 0 = nothing allocated yet
+        self.allocations = 0  # static allocations so far (tests / diagnostics)
+        if self.kind == "dynamic":
+            self.start()  # a static one is allocated by the first start() / forward
+
+    @classmethod
+    def for_model(cls, model, kind: str = "dynamic", max_cache_len: int | None = None,
+                  config=None) -> "KVCache":
+        p = next(model.parameters())
+        return cls(config if config is not None else model.config, kind, max_cache_len, p.device, p.dtype)
+
+    # -- allocation ---------------------------------------------------------------------------------
+    def _allocate(self, size: int) -> StaticCache:
+        cache = StaticCache(config=self.config, max_cache_len=size)
+        bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer]
+        if bad:
+            raise UserError(f"cache=static supports full-attention layers only; this model's cache has "
+                            f"{sorted(set(bad))} layers (sliding-window / linear attention): use cache=dynamic")
+        kv, head_dim = _kv_dims(self.config)
+        cache.early_initialization(1, kv, head_dim, self.dtype, self.device)
+        self.allocations += 1
+        return cache
+
+    def start(self, capacity: int | None = None, minimum: int = 0) -> None:
+        """Begin a new sequence (length 0).
+
+        capacity: the most tokens it will hold (declared by the caller); None = unknown: at least
+        ``minimum`` (e.g. the prompt) — an unfixed static cache then allocates ``minimum`` +
+        ``CACHE_BUCKET`` slots (rounded up) and grows on demand."""
+        self.length = 0
+        if self.kind == "dynamic":
+            self.hf = DynamicCache()
+            return
+        need = int(capacity) if capacity is not None else int(minimum)
+        if self.max_cache_len is not None:
+            if need > self.max_cache_len:
+                raise UserError(f"this sequence needs a KV cache of {need} tokens but max_cache_len is "
+                                f"{self.max_cache_len}; raise max_cache_len (or leave it unset) or use cache=dynamic")
+            size = self.max_cache_len
+        else:
+            size = _round_up(need if capacity is not None else need + CACHE_BUCKET)
+        if self.hf is None or self.capacity < size:
+            self.hf, self.capacity = self._allocate(size), size
+        self._sync()
+
+    def _grow(self, need: int) -> None:
+        if self.max_cache_len is not None:
+            raise UserError(f"the context reached {need} tokens but the static KV cache holds max_cache_len="
+                            f"{self.max_cache_len}; raise max_cache_len (or leave it unset) or use cache=dynamic")
+        size = max(2 * self.capacity, _round_up(need))
+        old, keep = self.hf, self.length
+        new = self._allocate(size)
+        for a, b in zip(old.layers, new.layers):
+            b.keys[:, :, :keep].copy_(a.keys[:, :, :keep])
+            b.values[:, :, :keep].copy_(a.values[:, :, :keep])
+        self.hf, self.capacity = new, size
+        self._sync()
+
+    def _sync(self) -> None:
+        for layer in self.hf.layers:
+            layer.cumulative_length.fill_(self.length)
+
+    # -- the pointer --------------------------------------------------------------------------------
+    def reserve(self, n: int) -> None:
+        """Make room for a forward of ``n`` more tokens (grows a static cache if needed)."""
+        if self.kind == "static" and self.length + n > self.capacity:
+            if self.hf is None:
+                self.start(minimum=n)
+            else:
+                self._grow(self.length + n)
+
+    def positions(self, n: int) -> torch.Tensor:
+        """Position ids [1, n] for the next forward of ``n`` tokens (grows a static cache if needed)."""
+        self.reserve(n)
+        return torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
+
+    def key_length(self, n: int) -> int:
+        """How many key slots a forward of ``n`` new tokens attends over (the width of a custom 4-D
+        attention mask): cached + new for a dynamic cache, the whole allocation for a static one."""
+        return self.capacity if self.kind == "static" else self.length + n
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def crop(self, keep: int) -> None:
+        """Keep the first ``keep`` cached tokens."""
+        if not 0 <= keep <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} tokens to {keep}")
+        if keep == self.length:
+            return
+        if self.kind == "dynamic":
+            crop_cache(self.hf, keep)
+        self.length = keep
+        if self.kind == "static":
+            self._sync()
+
+    def compact(self, keep: int, slots: list[int]) -> None:
+        """Keep the first ``keep`` entries followed by the entries at ``slots`` (increasing slot indices
+        ≥ keep, e.g. the accepted path of a scored tree), moved into consecutive slots.
+
+        Dynamic cache: one ``index_select`` over the sequence dim per layer. Static cache: the entries
+        are copied down into slots keep.. and the pointer moves (the tensors keep their addresses)."""
+        slots = [int(s) for s in slots]
+        if any(b <= a for a, b in zip(slots, slots[1:])) or (slots and (slots[0] < keep or slots[-1] >= self.length)):
+            raise ValueError(f"compact: slots {slots} must increase within [{keep}, {self.length})")
+        if slots == list(range(keep, keep + len(slots))):  # already in place (a chain): just crop
+            self.crop(keep + len(slots))
+            return
+        src = torch.tensor(slots, dtype=torch.long, device=self.device)
+        if self.kind == "dynamic":
+            idx = torch.cat([torch.arange(keep, device=self.device), src])
+            for layer in self.hf.layers:
+                layer.keys = layer.keys.index_select(-2, idx)
+                layer.values = layer.values.index_select(-2, idx)
+        else:
+            dst = torch.arange(keep, keep + len(slots), device=self.device)
+            for layer in self.hf.layers:
+                layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
+                layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+        self.length = keep + len(slots)
+        if self.kind == "static":
+            self._sync()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class Target:
+    """cache: "dynamic" | "static" (see the module docstring); max_cache_len: a fixed static
+    allocation (None = sized per prompt from ``prefill``'s capacity, growing when needed);
+    compile: torch.compile the verification forward (static cache only).
+
+    Hidden states (``want_hidden``): every forward returns :class:`~decode.core.hidden.HiddenStates`, the post-norm
+    final state and, in ``extra``, the ``extra_layers`` arms asked for with :meth:`request_hidden` (EAGLE-3
+    fusion); each arm reads its own layers through the selector that call returned."""
+
+    def __init__(self, model, tokenizer=None, *, want_hidden: bool = False, cache: str = "dynamic",
+                 max_cache_len: int | None = None, compile: bool = False):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.want_hidden = want_hidden
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.cache_kind = check_cache_kind(cache)
+        if compile and cache != "static":
+            raise UserError("compile=True needs cache=static (a dynamic cache changes shape every round)")
+        self.kv = KVCache.for_model(model, cache, max_cache_len)
+        self.compile = bool(compile)
+        self.compiled = CompiledForward(model) if compile else None
+        self.linear = "stock"  # how ``model``'s linears run (decode/core/linear.py); build_engine records "onednn"
+        self.forwards = 0
+        self.prefill_hidden: HiddenStates | None = None
+        # layers of HiddenStates.extra besides the final state, in column order (d columns each); arms add
+        # theirs with request_hidden
+        self.extra_layers: tuple[int, ...] = ()
+        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_hidden_layers
+
+    def request_hidden(self, layers) -> LayerSelector:
+        """Ask for the hidden states of ``layers`` (ids as in :func:`~decode.core.hidden.check_hidden_layers`) in every
+        forward and return the selector that reads them, in that order, from the :class:`HiddenStates` this
+        target yields. Turns ``want_hidden`` on. Layers other than the final state are added to ``extra_layers``
+        (a run already there is reused; a new one is appended, so earlier selectors stay valid): EAGLE-1 and
+        EAGLE-3 arms can share one target."""
+        layers = check_hidden_layers(layers, self.num_layers, "Target.request_hidden")
+        have = self.extra_layers
+        for run in filter(None, layer_runs(layers)):
+            if not any(have[k:k + len(run)] == run for k in range(len(have) - len(run) + 1)):
+                have = have + run
+        self.extra_layers = have
+        self.want_hidden = True
+        return LayerSelector(layers, self.extra_layers, self.hidden_size)
+
+    def _hidden(self, out) -> HiddenStates | None:
+        return HiddenStates.from_hf(out.hidden_states, self.extra_layers) if self.want_hidden else None
+
+    @property
+    def cache(self):
+        """The HF cache object of the current sequence."""
+        return self.kv.hf
+
+    @property
+    def cached(self) -> int:
+        return self.kv.length
+
+    def _forward(self, ids: list[int] | torch.Tensor, hidden: bool, compiled: bool = False):
+        x = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
+        pos = self.kv.positions(x.shape[1])
+        if compiled and self.compiled is not None:
+            out = self.compiled(input_ids=x, position_ids=pos, past_key_values=self.kv.hf, output_hidden_states=hidden)
+        else:
+            with torch.inference_mode():
+                out = self.model(input_ids=x, position_ids=pos, past_key_values=self.kv.hf, use_cache=True,
+                                 output_hidden_states=hidden)
+        self.kv.advance(x.shape[1])
+        return out
+
+    def reserve_capacity(self, capacity: int) -> None:
+        """Allocate a static cache for sequences of up to ``capacity`` tokens now, so every later prompt that
+        fits reuses it (one cache shape for a whole run: what compiled graphs need). No-op for a dynamic cache."""
+        if self.cache_kind == "static":
+            self.kv.start(int(capacity))
+
+    def warm_up(self, max_positions: int, *, show: bool = True) -> float:
+        """Compile the verification forward for 1 … ``max_positions`` positions now (``compile=True``; else a
+        no-op returning 0) on a scratch sequence at the current cache capacity, one line per new graph on
+        stderr unless ``show`` is False; returns the seconds it took. Resets the current sequence (call it
+        before a query's prefill)."""
+        if self.compiled is None or max_positions < 1:
+            return 0.0
+        start = time.perf_counter()
+        self.kv.start(self.kv.capacity or None, minimum=int(max_positions) + 1)
+        announce, self.compiled.announce = self.compiled.announce, show
+        try:
+            for n in range(1, int(max_positions) + 1):
+                self.score(0, torch.zeros(n - 1, dtype=torch.long))
+                self.kv.crop(0)
+        finally:
+            self.compiled.announce = announce
+        self.forwards = 0
+        return time.perf_counter() - start
+
+    def prefill(self, prompt_ids: list[int], capacity: int | None = None) -> None:
+        """Start a new sequence: cache all prompt tokens but the last.
+
+        capacity: the most tokens this sequence will hold in the cache (prompt + max_new_tokens +
+        max draft length + 1 is a safe bound); sizes a static cache (ignored by a dynamic one).
+        None = unknown: the prompt plus ``CACHE_BUCKET`` slots, grown when needed (with a fixed
+        ``max_cache_len``, only the prompt is checked up front)."""
+        if len(prompt_ids) == 0:
+            raise ValueError("empty prompt")
+        if capacity is not None and capacity < len(prompt_ids) - 1:
+            raise ValueError(f"capacity {capacity} is smaller than the prompt ({len(prompt_ids)} tokens)")
+        self.kv.start(capacity, minimum=len(prompt_ids))
+        self.forwards = 0
+        self.prefill_hidden = None  # HiddenStates at the len(prompt)-1 cached positions when want_hidden
+        if len(prompt_ids) > 1:
+            out = self._forward(prompt_ids[:-1], hidden=self.want_hidden)
+            self.prefill_hidden = self._hidden(out)
+
+    def score(self, last_token: int, draft_tokens: torch.Tensor) -> ScoreResult:
+        """Verification forward over ``[last_token] + draft`` (one target forward pass)."""
+        ids = torch.cat([torch.tensor([last_token]), draft_tokens.to(torch.long).cpu()])
+        out = self._forward(ids, hidden=self.want_hidden, compiled=True)
+        self.forwards += 1
+        hidden = self._hidden(out)
+        return ScoreResult(out.logits[0].float(), hidden)
+
+    def score_tree(self, last_token: int, draft: Draft) -> ScoreResult:
+        """One verification forward over ``[last_token]`` + every node of a tree draft.
+
+        Row 0 of the logits/hidden states is at the last token, row n + 1 at node n: the target's
+        distribution after the context and the root path to node n. The tree goes through the HF model's
+        own inputs: per-node ``position_ids`` (context length + depth) and a 4-D additive
+        ``attention_mask`` in which every node sees the cached context, the last token, its ancestors and
+        itself (decode/core/tree.py ``tree_attention``). Runs eagerly (also with ``compile=True``: the compiled
+        graph is the chain's, without a mask). Afterwards the cache holds all N + 1 entries; keep the
+        accepted path with :meth:`keep_path`. A chain (``parents`` None) works too.
+        """
+        check_tree_support(self.model.config)
+        parents = draft.parents if draft.parents is not None else torch.arange(-1, len(draft) - 1)
+        parents = torch.cat([torch.tensor([-1]), parents + 1])  # the last token is the tree's root
+        ids = torch.cat([torch.tensor([last_token]), draft.tokens.to(torch.long).cpu()])
+        n = ids.numel()
+        self.kv.reserve(n)
+        pos, mask = tree_attention(parents, self.kv.length, self.kv.key_length(n), self.dtype, self.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids.to(self.device).unsqueeze(0), position_ids=pos, attention_mask=mask,
+                             past_key_values=self.kv.hf, use_cache=True, output_hidden_states=self.want_hidden)
+        self.kv.advance(n)
+        self.forwards += 1
+        hidden = self._hidden(out)
+        return ScoreResult(out.logits[0].float(), hidden)
+
+    def keep_path(self, keep: int, path: list[int]) -> None:
+        """After :meth:`score_tree` from ``keep`` - 1 cached tokens: keep the context (``keep`` entries,
+        the last token's included) and the accepted nodes ``path`` (root first), compacted into
+        consecutive slots; the rejected branches' entries are dropped."""
+        self.kv.compact(keep, [keep + int(i) for i in path])
+
+    def rollback(self, keep: int) -> None:
+        """Keep the first ``keep`` cached tokens (the accepted prefix)."""
+        self.kv.crop(keep)

@@ -1,0 +1,149 @@
+"""Pool files (``recipes/pools/*.yaml``): exported drafters + model-free arms → arm specs for ``--pool``.
+
+Format::
+
+    target: smollm2-135m-instruct     # what the drafters were trained for (checked against drafter.json)
+    L: 4                              # default draft length of the drafter arms
+    drafters:                         # export folders written by `make train-drafter`
+      - {name: math, path: runs/drafters/cpu-small/math/export}
+      - {name: code, path: runs/drafters/cpu-small/code/export, L: 5}
+    arms: [pld:L=4, suffix:L=6]       # any other arm specs, as for --arms
+
+Relative paths — a drafter's ``path`` and the ``path=`` of an arm spec (``eagle:path=pretrained/...,L=2``) —
+are resolved against the repository root first, then the working directory, so a pool file works from any
+directory.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..common.errors import UserError
+from ..common.specs import parse_spec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_KEYS = {"target", "L", "drafters", "arms", "description"}
+_DRAFTER_KEYS = {"name", "path", "L"}
+
+
+def _resolve(path: str) -> Path | None:
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p if p.exists() else None
+    for base in (REPO_ROOT, Path.cwd()):
+        if (base / p).exists():
+            return (base / p).resolve()
+    return None
+
+
+def _int_L(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{where}: L must be an integer >= 1 (a drafter arm's draft length), got {value!r}")
+    return value
+
+
+def _train_command(path: str) -> str:
+    """How to create a missing export, read off the layout `make train-drafter` writes:
+    ``<out_root>/<recipe name>/<task>/export`` (the pool's ``name`` is only a label)."""
+    p = Path(path)
+    if p.name != "export" or len(p.parts) < 3:
+        return ("point path at the export/ folder that `make train-drafter TASK=<task>` writes "
+                "(runs/drafters/<recipe>/<task>/export)")
+    task, recipe = p.parent.name, p.parent.parent.name
+    cmd = f"make train-drafter TASK={task}"
+    if recipe != "cpu-small":  # the Makefile's default DRAFTER_RECIPE
+        file = f"recipes/drafters/{recipe}.yaml"
+        cmd += f" DRAFTER_RECIPE={file}" if (REPO_ROOT / file).is_file() else f" with the drafter recipe '{recipe}'"
+    data = ("`make distill TASK=<task> N=64` for each task it should cover" if task == "all"
+            else f"`make distill TASK={task} N=64`")
+    return f"`{cmd}` (after {data})"
+
+
+def load_pool(path: str | Path) -> list[str]:
+    """Arm spec strings for a pool file: one ``drafter:path=...,L=...,name=...`` per drafter, then the arms."""
+    import yaml
+
+    from ..choose.arms import arm_names
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--pool {p}: file not found; pass a pool YAML such as recipes/pools/default-target.yaml")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"pool {p}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"pool {p}: the top level must be a mapping with 'drafters' and/or 'arms'")
+    unknown = set(data) - _KEYS
+    if unknown:
+        raise UserError(f"pool {p}: unknown field(s) {sorted(unknown)}; valid fields: {sorted(_KEYS)}")
+    default_L = _int_L(data.get("L", 4), f"pool {p}")
+    target = data.get("target")
+    drafters, arms = data.get("drafters") or [], data.get("arms") or []
+    if not isinstance(drafters, list) or not isinstance(arms, list):
+        raise UserError(f"pool {p}: 'drafters' and 'arms' must be lists")
+    specs: list[str] = []
+    untrained: list[str] = []
+    for i, d in enumerate(drafters):
+        where = f"pool {p}: drafters[{i}]"
+        if not isinstance(d, dict) or "path" not in d:
+            raise UserError(f"{where} must be a mapping with at least 'path' (and usually 'name')")
+        bad = set(d) - _DRAFTER_KEYS
+        if bad:
+            raise UserError(f"{where}: unknown field(s) {sorted(bad)}; valid: {sorted(_DRAFTER_KEYS)}")
+        name = str(d.get("name") or Path(str(d["path"])).parent.name)
+        folder = _resolve(str(d["path"]))
+        if folder is None or not (folder / "config.json").is_file():
+            untrained.append(f"drafters[{i}] '{name}' (no exported model at {d['path']}): {_train_command(str(d['path']))}")
+            continue
+        meta_file = folder / "drafter.json"
+        if target and meta_file.is_file():
+            trained_for = json.loads(meta_file.read_text()).get("target")
+            if trained_for and trained_for != target:
+                raise UserError(f"{where} ('{name}') was trained for target '{trained_for}', but the pool is for "
+                                f"'{target}'; use a drafter trained for this target")
+        text = str(folder)
+        if any(c in text for c in ",;= \t") or any(c in name for c in ",;= \t"):
+            raise UserError(f"{where}: path/name may not contain spaces, ',', ';' or '=' (they separate arm specs); "
+                            f"rename '{text}' / '{name}'")
+        L = _int_L(d.get("L", default_L), where)
+        specs.append(f"drafter:path={text},L={L},name={name}")
+    if untrained:
+        raise UserError(f"pool {p}: {len(untrained)} drafter(s) not trained yet — {'; '.join(untrained)}. "
+                        "cpu-small trains in ~4–12 min per drafter on 2 CPU cores; or fix the paths")
+    known = set(arm_names())
+    for i, spec in enumerate(arms):
+        if not isinstance(spec, str):
+            raise UserError(f"pool {p}: arms[{i}] must be an arm spec string like 'pld:L=4', got {spec!r}")
+        name, params = parse_spec(spec)
+        if name not in known:
+            raise UserError(f"pool {p}: arms[{i}] '{spec}': unknown arm '{name}'; known arms: {', '.join(sorted(known))}")
+        if "path" in params:
+            folder = _resolve(params["path"])
+            if folder is None:
+                raise UserError(f"pool {p}: arms[{i}] '{spec}': path {params['path']} does not exist (relative "
+                                f"paths are looked up under {REPO_ROOT} and the working directory)")
+            params["path"] = str(folder)
+            spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in params.items())
+        specs.append(spec.strip())
+    if not specs:
+        raise UserError(f"pool {p} names no drafters and no arms; add entries under 'drafters' or 'arms'")
+    return specs
+
+
+def collect_arm_specs(arms: str | None, pool: str | None, example: str) -> list[str]:
+    """The arm specs of ``--arms`` (';'-separated) followed by ``--pool``'s, every arm name checked; ``example``
+    is the --arms value an error suggests."""
+    from ..choose.arms import arm_names
+    from ..common.specs import split_specs
+    specs = split_specs(arms or "")
+    if pool:
+        specs += load_pool(pool)
+    if not specs:
+        raise UserError(f"no arms: pass --arms (e.g. '{example}') or --pool")
+    known = arm_names()
+    for s in specs:
+        name, _ = parse_spec(s)
+        if name not in known:
+            raise UserError(f"--arms: unknown arm '{name}' in '{s}'; known arms: {', '.join(known)}")
+    return specs

@@ -1,0 +1,257 @@
+"""The evaluation's typed configuration: built once from the ``decode eval`` flags, validated before any
+model loads, and saved as the first line of ``records.jsonl`` so a rerun can resume (or refuse to mix
+records decoded under different settings) and ``decode report`` can rebuild the report.
+
+Fields hold resolved values (arm and policy spec lists, the device and dtype ``auto`` chose, the cache
+kind), so two spellings of the same run compare equal. :data:`NOT_RESULTS` (where outputs go, how
+progress shows, the paths of the suite and pool files) never affect a record and are ignored when a run
+resumes.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from ..common.errors import UserError
+from ..core.linear import LINEAR_KINDS, resolve_linear
+from ..core.models import DEFAULT_TARGET
+from ..common.specs import parse_spec, split_specs
+
+MAX_SEED = 2**32 - 1
+CACHES = ("dynamic", "static")
+# fields that do not change any record, so a resumed run may differ in them; for --suite and --pool what
+# they hold is compared instead of their paths (the prompts' ids and text digests, the arm specs)
+NOT_RESULTS = ("out", "record_traces", "no_progress", "no_plots", "fresh", "suite", "pool")
+# how a differing field is named to the user
+FLAG_NAMES = {"arms": "--arms/--pool (the arm specs)", "prompts": "the prompts (from --suite/--categories/--limit)"}
+
+
+def flag(name: str) -> str:
+    return FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+
+
+def records_path(report: str | os.PathLike) -> Path:
+    """The records file beside a report: ``runs/x/report.json`` → ``runs/x/records.jsonl``; any other
+    report name keeps its stem (``runs/a.json`` → ``runs/a.records.jsonl``), so two reports in one folder
+    never share records."""
+    p = Path(report)
+    return p.with_name("records.jsonl" if p.stem == "report" else f"{p.stem}.records.jsonl")
+
+
+def report_path(records: str | os.PathLike) -> Path:
+    """Inverse of :func:`records_path`."""
+    p = Path(records)
+    stem = p.name.removesuffix(".jsonl").removesuffix(".records") if p.name != "records.jsonl" else "report"
+    return p.with_name(f"{stem}.json")
+
+
+def resolve_cache(spec: str | None, device, compile: bool) -> str:
+    """None/auto → decode/core/target.py auto_cache_kind (static on CUDA or with --compile, else dynamic)."""
+    if spec in (None, "auto"):
+        from ..core.target import auto_cache_kind
+        return auto_cache_kind(device, compile)
+    if spec not in CACHES:
+        raise UserError(f"--cache must be one of auto, {', '.join(CACHES)}, got '{spec}'")
+    return spec
+
+
+def add_decoding_arguments(p) -> None:
+    """The flags every decoding command shares (eval, generate): sampling, verifier backend and placement.
+    Their checks live in :meth:`EvalConfig.check_ranges`."""
+    from ..common.device import DEVICES, DTYPES
+    from ..core.verify import BACKENDS
+    p.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help=">= 0; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--verifier", default="auto", choices=BACKENDS)
+    p.add_argument("--device", default="auto", help=f"{DEVICES} (auto = cuda when available, else cpu)")
+    p.add_argument("--dtype", default="auto", help=f"auto|{'|'.join(DTYPES)} (auto = bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--cache", choices=("auto", *CACHES), default="auto",
+                   help="KV cache of the target and of the arms that own one: static (pre-allocated, rollback moves a "
+                        "length pointer), dynamic (grows and is cropped), or auto (default: static on CUDA or with "
+                        "--compile, dynamic on a CPU, where static measured 7%% slower)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the target's verification forward (needs the static cache)")
+    p.add_argument("--linear", choices=LINEAR_KINDS, default="auto",
+                   help="how the target's linear layers run in our engine: onednn (weights pre-packed once; on a CPU "
+                        "1-8 positions then cost nearly one step), stock (torch.nn.Linear), or auto (default: onednn on "
+                        "a CPU for float32/bfloat16, else stock). The hf reference and peers always run stock")
+
+
+def _refuse_duplicates(flag: str, specs: list[str]) -> None:
+    """The same spec twice would merge two methods' records under one name."""
+    seen = {}
+    for s in specs:
+        name, params = parse_spec(s)
+        key = (name, tuple(sorted(params.items())))
+        if key in seen:
+            raise UserError(f"{flag}: '{s}' duplicates '{seen[key]}'; each is evaluated once")
+        seen[key] = s
+
+
+def parse_policy_specs(text: str) -> list[str]:
+    """``--policies`` with the arms' splitting rule (decode/common/specs.py split_specs: ';' between specs,
+    ',' between a spec's parameters), so ``ducb:discount=0.9,c=0.1;ucbspec`` is two policies."""
+    specs = split_specs(text)
+    _refuse_duplicates("--policies", specs)
+    return specs
+
+
+def parse_peer_specs(text: str) -> list[str]:
+    """``--peers``: ';'-separated specs, checked by decode/evaluation/peers.py before any model loads."""
+    specs = split_specs(text or "")
+    _refuse_duplicates("--peers", specs)
+    if specs:
+        from .peers import check_peer_specs
+        check_peer_specs(specs)
+    return specs
+
+
+@dataclass
+class EvalConfig:
+    """What ``decode eval`` decodes and how; see ``decode eval --help`` for each flag."""
+
+    target: str = DEFAULT_TARGET
+    trust_remote_code: bool = False
+    suite: str | None = None
+    categories: list[str] | None = None
+    limit: int | None = None
+    arms: list[str] = field(default_factory=lambda: ["pld:L=4", "suffix:L=6"])  # --arms + the pool's arms
+    pool: str | None = None
+    policies: list[str] = field(default_factory=lambda: ["ucbspec", "exp3spec"])
+    peers: list[str] = field(default_factory=list)
+    length: str | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    verifier: str = "auto"
+    device: str = "cpu"  # resolved (auto → cuda or cpu)
+    dtype: str = "float32"  # resolved (auto → bfloat16 on CUDA, float32 on CPU)
+    cache: str = "static"  # dynamic | static
+    compile: bool = False
+    linear: str = "stock"  # resolved (auto → onednn on a CPU, stock elsewhere): decode/core/linear.py
+    # outputs and presentation (NOT_RESULTS)
+    out: str = "runs/eval/report.json"
+    record_traces: str | None = None
+    no_progress: bool = False
+    no_plots: bool = False
+    fresh: bool = False
+
+    # ---- construction ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_args(cls, args) -> "EvalConfig":
+        """The flags as typed, resolved values; every check runs here, before any model is loaded."""
+        from ..common.device import dtype_name, resolve_device, resolve_dtype
+        a = vars(args)
+        cfg = cls(**{f.name: a[f.name] for f in fields(cls) if f.name in a and f.name not in
+                     ("categories", "arms", "policies", "peers", "device", "dtype", "cache", "linear")})
+        cfg.check_ranges()
+        cfg.check_outputs()
+        if a.get("categories") is not None:
+            cfg.categories = [c.strip() for c in a["categories"].split(",") if c.strip()]
+        cfg.arms = split_specs(a.get("arms") or "")
+        if cfg.pool:
+            from ..engine.pools import load_pool
+            cfg.arms += load_pool(cfg.pool)
+        if not cfg.arms:
+            raise UserError("no arms: pass --arms (e.g. 'pld:L=4;suffix:L=6') or --pool")
+        cfg.policies = parse_policy_specs(a.get("policies") or "")
+        cfg.peers = parse_peer_specs(a.get("peers") or "")
+        device = resolve_device(a.get("device") or "auto")
+        cfg.device = str(device)
+        dtype = resolve_dtype(a.get("dtype") or "auto", device)
+        cfg.dtype = dtype_name(dtype)
+        cfg.linear = resolve_linear(a.get("linear") or "auto", device, dtype)
+        cfg.cache = resolve_cache(a.get("cache"), device, cfg.compile)
+        if cfg.compile and cfg.cache != "static":
+            raise UserError("--compile needs --cache static (a dynamic cache changes shape every round)")
+        return cfg
+
+    def check_ranges(self) -> None:
+        """One-line errors naming the flag and its valid range (NaN/inf included)."""
+        ints = [("--max-new-tokens", self.max_new_tokens, 1, None), ("--limit", self.limit, 1, None),
+                ("--top-k", self.top_k, 0, None), ("--seed", self.seed, 0, MAX_SEED)]
+        for name, v, lo, hi in ints:
+            if v is not None and (v < lo or (hi is not None and v > hi)):
+                rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+                raise UserError(f"{name} must be an integer {rng}, got {v}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+    def check_outputs(self) -> None:
+        """Fail before decoding, not after it, on an output path that cannot be written: a folder, a parent
+        that is a file, an unwritable folder, or two outputs on the same file."""
+        out = Path(self.out)
+        if out.suffix == ".md":
+            raise UserError(f"--out {out}: the markdown table is written beside the report as .md; "
+                            f"name the report e.g. {out.with_suffix('.json')}")
+        if out.suffix == ".jsonl":
+            raise UserError(f"--out {out}: the records are written beside the report as {records_path(out).name}; "
+                            f"name the report e.g. {out.with_suffix('.json')}")
+        paths = [("--out", out), ("--out (table)", out.with_suffix(".md")), ("--out (records)", records_path(out))]
+        if self.record_traces:
+            paths.append(("--record-traces", Path(self.record_traces)))
+        seen = {}
+        for name, p in paths:
+            key = p.resolve()
+            if key in seen:
+                raise UserError(f"{name} {p}: the same file as {seen[key]}; pass another path")
+            seen[key] = name
+            if p.is_dir():
+                raise UserError(f"{name} {p}: is a folder; pass a file path")
+            parent = p.parent
+            while not parent.exists():
+                parent = parent.parent
+            if not parent.is_dir():
+                raise UserError(f"{name} {p}: {parent} is a file, not a folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise UserError(f"{name} {p}: cannot write into {parent} (permission denied)")
+
+    # ---- derived --------------------------------------------------------------------------------------------
+
+    @property
+    def report_path(self) -> Path:
+        return Path(self.out)
+
+    @property
+    def table_path(self) -> Path:
+        return Path(self.out).with_suffix(".md")
+
+    @property
+    def records_path(self) -> Path:
+        return records_path(self.out)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EvalConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def results_view(self) -> dict:
+        """The fields that decide what a record holds (everything but NOT_RESULTS)."""
+        return {k: v for k, v in self.to_dict().items() if k not in NOT_RESULTS}
+
+
+def differences(saved: dict, now: dict) -> list[str]:
+    """``"--max-new-tokens (was 16, now 12)"`` for every result field that differs (a field missing on one
+    side differs too)."""
+    out = []
+    for k in list(dict.fromkeys([*saved, *now])):
+        if saved.get(k, "<unset>") != now.get(k, "<unset>"):
+            if k == "prompts":
+                was, cur = saved.get(k) or [], now.get(k) or []
+                out.append(f"{flag(k)} ({len(was)} prompts before, {len(cur)} now"
+                           + (", same ids but other texts" if [p[0] for p in was] == [p[0] for p in cur] else "")
+                           + ")")
+            else:
+                out.append(f"{flag(k)} (was {saved.get(k, '<unset>')!r}, now {now.get(k, '<unset>')!r})")
+    return out
