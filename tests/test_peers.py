@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from decode import peers as P
+from decode.evaluation import peers as P
 from decode.common.errors import UserError
 from decode.core.sampling import SamplingConfig
 from decode.evaluation.suites import encode_prompt
