@@ -242,26 +242,34 @@ def check_args(args) -> tuple[list[str], str, SamplingConfig]:
 
 # ---- the run ------------------------------------------------------------------------------------------------
 
+def load_engine(args, specs: list[str], sampling: SamplingConfig, err: TextIO, needs_hidden: bool = False):
+    """The target loaded and its engine built from the decoding flags ``generate`` and ``serve`` share (--target
+    --device --dtype --cache --compile --linear --verifier --threads --seed), announcing the load on ``err``:
+    (model, tokenizer, engine, the engine's generator)."""
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    cache = resolve_cache(args.cache, device, args.compile)  # --compile with dynamic is refused by check_args
+    linear = resolve_linear(args.linear, device, dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    err.write(f"loading {args.target} ({device}, {dtype_name(dtype)}, {cache} cache, {linear} linears)…\n")
+    torch.manual_seed(args.seed)
+    model, tok = load_model(args.target, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
+    gen = torch.Generator().manual_seed(args.seed)
+    engine = build_engine(model, tok, specs, sampling, gen, cache=cache, compile=args.compile, linear=linear,
+                          verifier=args.verifier, target_name=args.target, trust_remote_code=args.trust_remote_code,
+                          needs_hidden=needs_hidden)
+    return model, tok, engine, gen
+
+
 class Session:
     """The loaded target, engine and policy, decoding one prompt after another (a carry=true policy or
     length controller keeps learning across the prompts of an interactive session)."""
 
     def __init__(self, args, specs: list[str], policy_spec: str, sampling: SamplingConfig, err: TextIO):
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
-        cache = resolve_cache(args.cache, device, args.compile)  # --compile with dynamic refused in check_args
-        linear = resolve_linear(args.linear, device, dtype)
         self.length = build_length(args.length, args.seed)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        err.write(f"loading {args.target} ({device}, {dtype_name(dtype)}, {cache} cache, {linear} linears)…\n")
-        torch.manual_seed(args.seed)
-        model, tok = load_model(args.target, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
-        self.gen = torch.Generator().manual_seed(args.seed)
-        self.engine = build_engine(model, tok, specs, sampling, self.gen, cache=cache, compile=args.compile,
-                                   linear=linear, verifier=args.verifier, target_name=args.target,
-                                   trust_remote_code=args.trust_remote_code,
-                                   needs_hidden=self.length.needs_target_hidden)
+        model, tok, self.engine, self.gen = load_engine(args, specs, sampling, err,
+                                                        needs_hidden=self.length.needs_target_hidden)
         arms = self.engine.arms
         self.eos = eos_token_ids(model, tok)
         self.policy = build_policy(policy_spec, len(arms), self.engine.max_len, seed=args.seed)

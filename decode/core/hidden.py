@@ -36,6 +36,11 @@ def layer_features(hidden_states, layers: tuple[int, ...]) -> torch.Tensor:
     return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
+def find_run(have: tuple[int, ...], run: tuple[int, ...]) -> int | None:
+    """Where ``run`` starts as consecutive entries of ``have`` (None: it does not)."""
+    return next((k for k in range(len(have) - len(run) + 1) if have[k:k + len(run)] == run), None)
+
+
 def layer_runs(layers: tuple[int, ...]) -> list[tuple[int, ...] | None]:
     """``layers`` cut at its FINAL entries: None for each FINAL, a tuple for each maximal run of other layers
     (the runs are what ``HiddenStates.extra`` must hold)."""
@@ -88,14 +93,14 @@ class LayerSelector:
             if run is None:
                 self.parts.append(None)
                 continue
-            start = next((k for k in range(len(extra_layers) - len(run) + 1) if extra_layers[k:k + len(run)] == run),
-                         None)
+            start = find_run(extra_layers, run)
             if start is None:
                 raise ValueError(f"layers {list(run)} are not a run of the extra layers {list(extra_layers)}")
             self.parts.append(slice(start * d, (start + len(run)) * d))
+        self.needs_extra = any(p is not None for p in self.parts)
 
     def __call__(self, hidden: HiddenStates) -> torch.Tensor:
-        if any(p is not None for p in self.parts) and hidden.extra is None:
+        if self.needs_extra and hidden.extra is None:
             raise UserError(f"hidden states for layers {list(self.layers)} were not computed: the target was not "
                             "asked for them (Target.request_hidden)")
         cols = [hidden.final if p is None else hidden.extra[:, p] for p in self.parts]

@@ -52,7 +52,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from .draft import Draft
-from .hidden import HiddenStates, LayerSelector, check_hidden_layers, layer_runs
+from .hidden import HiddenStates, LayerSelector, check_hidden_layers, find_run, layer_runs
 from ..common.errors import UserError
 from .tree import tree_attention
 from .compiled import CompiledForward
@@ -303,7 +303,7 @@ class Target:
         layers = check_hidden_layers(layers, self.num_layers, "Target.request_hidden")
         have = self.extra_layers
         for run in filter(None, layer_runs(layers)):
-            if not any(have[k:k + len(run)] == run for k in range(len(have) - len(run) + 1)):
+            if find_run(have, run) is None:
                 have = have + run
         self.extra_layers = have
         self.want_hidden = True

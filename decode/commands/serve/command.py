@@ -18,18 +18,17 @@ from pathlib import Path
 
 import torch
 
-from ...common.device import dtype_name, resolve_device, resolve_dtype
-from ...engine.loop import build_engine
 from ...common.errors import UserError
-from ...evaluation.eval_config import CACHES, resolve_cache
-from ...core.linear import LINEAR_KINDS, resolve_linear
-from ...core.models import DEFAULT_TARGET, cache_dir, load_model
+from ...evaluation.eval_config import CACHES
+from ...core.linear import LINEAR_KINDS
+from ...core.models import DEFAULT_TARGET, cache_dir
 from ...choose.policies import build_policy
 from ...choose.policies.simple import Fixed
 from ...engine.pools import REPO_ROOT, collect_arm_specs, load_pool
 from ...core.sampling import SamplingConfig
 from ...common.specs import split_specs
 from ...evaluation.suites import encode_prompt
+from ..generate import load_engine
 from .app import ServeConfig, create_app
 from .metrics import ServerMetrics
 from .worker import Worker
@@ -114,21 +113,10 @@ def build_server(args, err=sys.stderr):
     """(app, worker, config) for ``args``: the target loaded, the pool built and warmed up, the state loaded."""
     check_args(args)
     specs = arm_specs(args)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    cache = resolve_cache(args.cache, device, args.compile)
-    linear = resolve_linear(args.linear, device, dtype)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    err.write(f"loading {args.target} ({device}, {dtype_name(dtype)}, {cache} cache, {linear} linears)…\n")
-    torch.manual_seed(args.seed)
-    model, tok = load_model(args.target, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
+    model, tok, engine, gen = load_engine(args, specs, SamplingConfig(), err)
     context = args.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if context < 2:
         raise UserError(f"{args.target} declares no max_position_embeddings; pass --max-model-len")
-    gen = torch.Generator().manual_seed(args.seed)
-    engine = build_engine(model, tok, specs, SamplingConfig(), gen, cache=cache, compile=args.compile, linear=linear,
-                          verifier=args.verifier, target_name=args.target, trust_remote_code=args.trust_remote_code)
     labels = [a.label for a in engine.arms]
     # one untimed decode: one-off costs (and compiling, with --compile) before the first request, and the
     # step time the throughput reward uses; a fixed arm, so the policy learns nothing from it

@@ -29,7 +29,7 @@ import torch
 from ...common import metrics as m
 from ...engine.loop import SpecEngine
 from ...common.errors import UserError
-from ..generate import IncrementalText, decode_text
+from ..generate import IncrementalText, decode_text, decoding_seconds
 from ...common.io import atomic_write_json
 from ...choose.policies import build_policy
 from ...choose.policies.simple import Fixed
@@ -259,6 +259,14 @@ class Worker:
         text, stops = IncrementalText(self._decode_text), StopText(job.stops)
         sent, stop_hit, first = "", None, None
         outcome = None
+
+        def send(piece: str) -> None:
+            nonlocal sent, first
+            if piece:
+                first = first or time.monotonic()
+                sent += piece
+                job.emit("text", piece)
+
         while not state.done:
             if job.cancelled.is_set():
                 outcome = "cancelled"
@@ -269,24 +277,17 @@ class Worker:
             r = engine.step(state)
             self.metrics.round(r.record, labels[r.arm])
             piece, stop_hit = stops.feed(text.push(r.tokens))
-            if piece:
-                first = first or time.monotonic()
-                sent += piece
-                job.emit("text", piece)
+            send(piece)
             if stop_hit is not None:
                 break
         g = engine.finish(state)
         tokens = list(g.tokens)
         if outcome is None and stop_hit is None:  # the end: what was held back for a stop that never came
             piece, stop_hit = stops.feed(text.flush())
-            piece += "" if stop_hit is not None else stops.flush()
-            if piece:
-                first = first or time.monotonic()
-                sent += piece
-                job.emit("text", piece)
+            send(piece + ("" if stop_hit is not None else stops.flush()))
         if stop_hit is not None:  # the tokens that made the text up to the end of the stop sequence
             tokens = self._tokens_through(tokens, len(sent) + len(stop_hit))
-        seconds = g.setup_time + sum(t.total for t in g.step_times)
+        seconds = decoding_seconds(g)
         self.metrics.generation(len(job.prompt_ids), len(g.tokens), g.target_forwards, seconds)
         if job.arms is None and policy.carry:
             self.requests_learnt += 1
