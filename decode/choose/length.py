@@ -264,6 +264,13 @@ class CostAware(LengthController):
     def use_cost(self, curve) -> None:
         self.curve = curve
 
+    def _cost(self, k: int, d: float, context: int) -> float:
+        """cost(k) = c(k + 1) + k·d in steps: verifying k drafted tokens and the bonus, plus drafting them."""
+        return (self.curve.steps(k + 1, context) if self.curve is not None else k + 1) + k * d
+
+    def _bin(self, q: float) -> int:
+        return min(int(q * self.BINS), self.BINS - 1)
+
     def rates(self, arm: int, L: int) -> list[float]:
         """a_1 … a_L of arm ``arm``."""
         reached, acc = self.reached.get(arm, []), self.accepted.get(arm, [])
@@ -277,15 +284,14 @@ class CostAware(LengthController):
         for k, a in enumerate(self.rates(arm, max(1, max_len)), start=1):
             prefix *= a
             expected += prefix
-            c = (self.curve.steps(k + 1, context) if self.curve is not None else k + 1) + k * d
+            c = self._cost(k, d, context)
             if k == 1 or expected / c > best[1] / best[2]:
                 best = (k, expected, c)
         return best
 
     def calibrated(self, arm: int, q: float) -> float:
         """â(q): P(a token drafted with confidence q is accepted | its predecessors were), for arm ``arm``."""
-        b = min(int(q * self.BINS), self.BINS - 1)
-        reached, accepted = self.calib[arm][b] if arm in self.calib else (0.0, 0.0)
+        reached, accepted = self.calib[arm][self._bin(q)] if arm in self.calib else (0.0, 0.0)
         return (accepted + self.prior_weight * q) / (reached + self.prior_weight)
 
     def revise(self, arm: int, confs: list[float], max_len: int, context: int) -> tuple[bool, float, float]:
@@ -295,12 +301,12 @@ class CostAware(LengthController):
         for q in confs:  # E_i = 1 + Σ_{m ≤ i} Π_{j < m} â(q_j)
             prefix *= self.calibrated(arm, q)
             expected += prefix
-        cost = (self.curve.steps(i + 1, context) if self.curve is not None else i + 1) + i * d
+        cost = self._cost(i, d, context)
         now, e = expected / cost, expected
         for k, a in enumerate(self.rates(arm, max_len)[i:], start=i + 1):
             prefix *= a
             e += prefix
-            c = (self.curve.steps(k + 1, context) if self.curve is not None else k + 1) + k * d
+            c = self._cost(k, d, context)
             if e / c > now:
                 return True, expected, cost
         return False, expected, cost
@@ -339,8 +345,7 @@ class CostAware(LengthController):
         if confs:  # the confidences seen this round: calibrate â(q) on what happened to those tokens
             table = self.calib.setdefault(arm, np.zeros((self.BINS, 2)))
             for j, q in enumerate(confs[:upto]):
-                b = min(int(q * self.BINS), self.BINS - 1)
-                table[b] += (1.0, float(j < outcome.accepted))
+                table[self._bin(q)] += (1.0, float(j < outcome.accepted))
 
     def observe_round(self, record) -> None:
         if record.drafted <= 0 or not record.step_time > 0:
