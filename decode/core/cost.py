@@ -30,6 +30,7 @@ class CostCurve:
             raise ValueError(f"bucket and window must be >= 1, got {bucket}, {window}")
         self.bucket, self.window = int(bucket), int(window)
         self._times: dict[tuple[int, int], deque] = {}
+        self._ratio_memo: dict[int, dict[int, float]] = {}  # bucket -> _ratios(bucket), until it is measured again
 
     def _key(self, n: int, context: int) -> tuple[int, int]:
         return int(n), int(context) // self.bucket
@@ -43,6 +44,7 @@ class CostCurve:
         if times is None:
             times = self._times[key] = deque(maxlen=self.window)
         times.append(float(seconds))
+        self._ratio_memo.pop(key[1], None)
 
     def seconds(self, n: int, context: int) -> float | None:
         """Median measured seconds of an ``n``-position forward in ``context``'s bucket (None: none yet)."""
@@ -50,11 +52,14 @@ class CostCurve:
         return statistics.median(times) if times else None
 
     def _ratios(self, b: int) -> dict[int, float]:
-        one = self._times.get((1, b))
-        if not one:
-            return {}
-        base = statistics.median(one)
-        return {n: statistics.median(t) / base for (n, bb), t in self._times.items() if bb == b and t}
+        """{n: c(n)} measured in bucket ``b`` (memoised: a controller asks for many n every round, the curve
+        changes once per round)."""
+        if b not in self._ratio_memo:
+            one = self._times.get((1, b))
+            base = statistics.median(one) if one else None
+            self._ratio_memo[b] = {} if base is None else {
+                n: statistics.median(t) / base for (n, bb), t in self._times.items() if bb == b and t}
+        return self._ratio_memo[b]
 
     def steps(self, n: int, context: int) -> float:
         """c(n): an ``n``-position forward in one-token steps, near ``context`` tokens of context (1.0 for n = 1;
