@@ -89,6 +89,45 @@ def test_fused_head_round_trip_and_old_head_json_loads(tmp_path):
     assert not again.fused and torch.equal(again.fc.weight, old.fc.weight)
 
 
+def test_eagle3_layer_is_eagle3s_first_layer(tmp_path):
+    """layer=eagle3: no fc; the layer normalises embedding and feature apart, q/k/v read their 2d concat, the
+    residual is the feature; identity init starts as logit lens on g; head.json round trip; bad combinations."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = tiny_llama(layers=4, seed=1)
+    d = model.config.hidden_size
+    head = EagleHead(model, feature_layers=LAYERS, layer="eagle3")
+    layer = head.model.layers[0]
+    assert not hasattr(head, "fc") and isinstance(layer, LlamaDecoderLayer)
+    assert layer.self_attn.q_proj.weight.shape[1] == 2 * d and layer.self_attn.k_proj.weight.shape[1] == 2 * d
+    assert "model.layers.0.hidden_norm.weight" in head.trainable_state_dict()
+    g, t = torch.randn(1, 5, d), torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.allclose(head(g, t), g, atol=1e-6)  # o_proj/down_proj zero: output = residual = g
+        _perturbed(head, seed=3)
+        # the layer's forward written out: cat[input_norm(e), hidden_norm(g)] → attention (2d q/k/v); residual g
+        e = model.model.embed_tokens(t)
+        x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(g)], -1)
+        pos = torch.arange(5)[None]
+        rope = head.model.rotary_emb(g, pos)
+        mask = torch.full((5, 5), float("-inf")).triu(1)[None, None]
+        a, _ = layer.self_attn(hidden_states=x, attention_mask=mask, position_embeddings=rope)
+        h = g + a
+        want = h + layer.mlp(layer.post_attention_layernorm(h))
+        assert torch.allclose(head(g, t), want, atol=1e-5)
+    save_head(head, tmp_path / "e3")
+    assert json.loads((tmp_path / "e3" / "head.json").read_text())["layer"] == "eagle3"
+    back = load_head(tmp_path / "e3", model)
+    with torch.no_grad():
+        assert back.layer == "eagle3" and torch.allclose(back(g, t), head(g, t), atol=1e-6)
+    with pytest.raises(UserError, match="features=fused"):
+        EagleHead(model, layer="eagle3")
+    with pytest.raises(UserError, match="layer must be one of"):
+        EagleHead(model, feature_layers=LAYERS, layer="eagle2")
+    with pytest.raises(UserError, match="head.features=fused"):
+        EagleSection(layer="eagle3")
+
+
 # --------------------------------------------------------------------------- Target: union of hidden layers
 
 
@@ -150,12 +189,12 @@ def _decode_reference(model, head, ids: list[int], steps: int):
     return out
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_ttt_steps_equal_literal_decoding(fused):
+@pytest.mark.parametrize("fused,layer", [(True, "eagle1"), (False, "eagle1"), (True, "eagle3")])
+def test_ttt_steps_equal_literal_decoding(fused, layer):
     """Step s at slot j of the unrolled batch == draft step s+1 of the arm after the context ids[:j+2]: same head
     output, same target distribution, same loss."""
     model = tiny_llama(layers=4, seed=3)
-    head = _head(model, fused, seed=1)
+    head = _head(model, fused, seed=1, layer=layer)
     steps = 3
     inputs = _batch(T=10, seed=2)
     module = EagleTrainModule(model, head).eval()
@@ -165,7 +204,7 @@ def test_ttt_steps_equal_literal_decoding(fused):
         logits = model(inputs["input_ids"]).logits[0]
     T = inputs["input_ids"].shape[1]
     section = EagleSection(features="fused" if fused else "final", feature_layers=list(LAYERS) if fused else None,
-                           ttt_steps=steps, noise=0.0)
+                           ttt_steps=steps, noise=0.0, layer=layer)
     with torch.no_grad():
         _, logs = make_loss(section)(module, inputs)
     for s, step in enumerate(got):
@@ -259,7 +298,7 @@ def test_recipe_section_validation_and_eagle3_recipe():
     from toolkit.train.eagle import EagleRecipe
 
     r = load_recipe(EagleRecipe, "recipes/heads/eagle3.yaml", [])
-    assert r.head.features == "fused" and r.head.ttt_steps == 3 and r.head.ttt_decay == 0.8
+    assert r.head.features == "fused" and r.head.ttt_steps == 3 and r.head.ttt_decay == 0.8 and r.head.layer == "eagle3"
     assert r.head.layers(30) == (2, 15, 27) and EagleSection().layers(30) is None
     assert EagleSection(features="fused", feature_layers=[1, 2, 3]).layers(30) == (1, 2, 3)
     from toolkit.train.eagle import _fingerprint
@@ -280,11 +319,11 @@ def _engine(model, arms, target):
     return SpecEngine(target, arms, Verifier(GREEDY))
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_fused_head_greedy_lossless_and_true_entries(cache):
+@pytest.mark.parametrize("cache,layer", [("dynamic", "eagle1"), ("static", "eagle1"), ("static", "eagle3")])
+def test_fused_head_greedy_lossless_and_true_entries(cache, layer):
     model = tiny_llama(layers=4, seed=5)
     target = Target(model, cache=cache)
-    arm = EagleArm(_head(model, fused=True), model, GREEDY, L=4, target=target, cache=cache)
+    arm = EagleArm(_head(model, fused=True, layer=layer), model, GREEDY, L=4, target=target, cache=cache)
     eng = _engine(model, [arm], target)
     target.want_hidden = True
     for prompt in ([1, 2, 3, 4, 5, 1, 2, 3], [7, 9, 11]):
@@ -314,7 +353,8 @@ def test_pool_of_eagle1_and_eagle3_arms_shares_one_target():
     target = Target(model)
     e1 = EagleArm(_head(model, fused=False, seed=3), model, GREEDY, L=3, target=target, label="e1")
     e3 = EagleArm(_head(model, fused=True, seed=4), model, GREEDY, L=4, target=target, label="e3")
-    tree = EagleTreeArm(_head(model, fused=True, seed=5), model, GREEDY, L=3, nodes=8, topk=2, target=target)
+    tree = EagleTreeArm(_head(model, fused=True, seed=5, layer="eagle3"), model, GREEDY, L=3, nodes=8, topk=2,
+                        target=target)
     suffix = build_arm("suffix:L=3,min_match=1", ArmEnv(model, None, GREEDY))
     assert target.extra_layers == LAYERS
     assert e1.select.parts == [None] and e3.select.parts == tree.select.parts == [slice(0, 96)]
@@ -349,7 +389,8 @@ def test_eagle_factory_builds_fused_heads_from_a_folder(tmp_path):
         plain_greedy(model, prompt, 20)
 
 
-def test_fused_head_sampling_follows_the_target():
+@pytest.mark.parametrize("layer", ["eagle1", "eagle3"])
+def test_fused_head_sampling_follows_the_target(layer):
     """Sampled decoding with a fused head keeps the target's law (chi-square on the first two tokens)."""
     from test_sampling_lossless import V, _assert_first_two_tokens_follow_target
 
@@ -357,7 +398,7 @@ def test_fused_head_sampling_follows_the_target():
     model = tiny_llama(vocab=V, hidden=16, layers=4, seed=4, peaked=4.0)
     gen = torch.Generator().manual_seed(0)
     wrapped = Target(model)
-    head = EagleHead(model, init="last_layer", feature_layers=(1, 2, 3))
+    head = EagleHead(model, init="last_layer", feature_layers=(1, 2, 3), layer=layer)
     arm = EagleArm(head, model, cfg, L=2, generator=gen, target=wrapped)
     eng = SpecEngine(wrapped, [arm], Verifier(cfg, generator=gen))
     _assert_first_two_tokens_follow_target(eng, model, cfg)
@@ -377,11 +418,11 @@ def test_eagle3_recipe_trains_from_the_cli_then_decodes_losslessly(tiny_distille
     report = json.loads((d / "eagle3" / "eval.json").read_text())
     assert report["feature"] == "fused target layers [0, 1, 2]"
     assert len(report["heldout"]["by_step"]) == 3
-    assert report["recipe"]["head"]["ttt_steps"] == 3
+    assert report["recipe"]["head"]["ttt_steps"] == 3 and report["recipe"]["head"]["layer"] == "eagle3"
     target, _ = load_model(tiny)
     wrapped = Target(target)
     arm = build_arm(f"eagle:path={d / 'eagle3'},L=3", ArmEnv(target, None, GREEDY, target=wrapped))
-    assert arm.head.fused and arm.head.feature_layers == (0, 1, 2)
+    assert arm.head.fused and arm.head.feature_layers == (0, 1, 2) and arm.head.layer == "eagle3"
     eng = _engine(target, [arm], wrapped)
     prompt = [1, 5, 9, 5, 1, 5]
     assert eng.generate(prompt, build_policy("fixed:arm=0", 1, eng.max_len, seed=0), 20).tokens == \
@@ -418,7 +459,8 @@ def test_cached_features_train_the_same_head_as_on_the_fly(tiny_distilled, style
     from toolkit.train import eagle
 
     d, tiny, common = tiny_distilled
-    extra = ["head.features=fused", "head.feature_layers=[0,1,2]", "head.ttt_steps=2"] if style == "eagle3" else []
+    extra = ["head.features=fused", "head.feature_layers=[0,1,2]", "head.ttt_steps=2",
+             "head.layer=eagle3"] if style == "eagle3" else []
     args = common + ["train.max_steps=2", "open_text.fraction=0", *extra]
     assert eagle.main(args + [f"out_dir={d}/fly_{style}"]) == 0
     cached = args + [f"out_dir={d}/cached_{style}", "feature_cache.enabled=true", "feature_cache.dtype=float32"]

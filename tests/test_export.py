@@ -1,6 +1,7 @@
 """`python -m toolkit export`: EAGLE heads in EAGLE-1's layout (read back exactly, and read by an independent
-EAGLE-1 forward built only from the exported files), speculators' layout, drafters as HF folders, and the
-errors for inputs that cannot be exported."""
+EAGLE-1 forward built only from the exported files), speculators' EAGLE-1 and EAGLE-3 layouts (the EAGLE-3 one
+read by an independent Eagle3DraftModel forward built from the files), drafters as HF folders, and the errors
+for inputs that cannot be exported."""
 from __future__ import annotations
 
 import json
@@ -247,6 +248,22 @@ def test_speculators_library_reads_the_export_like_our_head():
     assert run.returncode == 0, run.stdout + run.stderr  # 0: max |logit difference| <= 1e-5
 
 
+def test_speculators_eagle3_reads_the_export_like_our_head():
+    """speculators 0.9's Eagle3DraftModel (its own venv: scripts/check_export_speculators.py --eagle3) on the same
+    inputs: the same draft-vocabulary logits and drafted ids."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / "runs" / "speculators-eagle3-venv" / "bin" / "python").is_file():
+        pytest.skip("speculators 0.9 pins transformers<=5.19 (this project: 5.23); build its venv with "
+                    "`.venv/bin/python scripts/check_export_speculators.py --eagle3 --setup`")
+    run = subprocess.run([sys.executable, str(repo / "scripts" / "check_export_speculators.py"), "--eagle3"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 def test_pruned_eagle_head_exports_with_its_subset_beside_and_the_same_logits_over_it(target, tmp_path):
     """EAGLE-1 has no draft vocabulary: the export drafts from the whole vocabulary, equal over the kept tokens."""
     from decode.core.vocab import VOCAB_FILE, DraftVocab
@@ -317,3 +334,112 @@ def test_the_default_eagle_head_keeps_its_input_norm_and_fc_bias(target, tmp_pat
         meta.pop(k)
     (tmp_path / "h" / "head.json").write_text(json.dumps(meta))
     assert load_head(tmp_path / "h", target).fc.bias is not None
+
+
+# --------------------------------------------------------------------------- EAGLE-3 heads → speculators' eagle3
+
+def eagle3_head(target, tmp_path, *, layer="eagle3", vocab=True, name="e3"):
+    """A fused head (feature layers 0, 1 of the 2-layer tiny target) with a draft vocabulary, away from its init."""
+    from decode.core.vocab import DraftVocab
+
+    V = target.config.vocab_size
+    dv = DraftVocab(torch.arange(5, V, 7), V) if vocab else None
+    head = EagleHead(target, feature_layers=(0, 1), layer=layer, draft_vocab=dv)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in head.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    folder = tmp_path / name
+    save_head(head, folder, extra={"target_spec": target.config._name_or_path, "task": "math"})
+    return folder, head.eval()
+
+
+def eagle3_reference_logits(folder, target, rows, tokens):
+    """speculators' Eagle3DraftModel forward (step 0) built from the exported files and HF Llama modules only:
+    g = fc(rows); first layer: residual g, attention over cat[input_norm(embed), hidden_norm(g)] with 2d q/k/v;
+    MLP; lm_head(norm(h)) over the draft vocabulary, mapped to target ids by target = index + d2t[index]."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    cfg_dict = json.loads((folder / "config.json").read_text())
+    cfg = LlamaConfig(**cfg_dict["transformer_layer_config"])
+    cfg._attn_implementation = "eager"
+    w = load_file(str(folder / "model.safetensors"))
+    d = cfg.hidden_size
+    layer = LlamaDecoderLayer(cfg, 0)
+    for name in ("q_proj", "k_proj", "v_proj"):  # speculators' LlamaDecoderEagle3FirstLayer: 2d inputs
+        old = getattr(layer.self_attn, name)
+        setattr(layer.self_attn, name, torch.nn.Linear(2 * d, old.out_features, bias=old.bias is not None))
+    layer.hidden_norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
+    layer.load_state_dict({k[len("layers.0."):]: v for k, v in w.items() if k.startswith("layers.0.")})
+    norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
+    norm.load_state_dict({"weight": w["norm.weight"]})
+    T = tokens.shape[1]
+    pos = torch.arange(T)[None]
+    g = rows @ w["fc.weight"].T
+    emb = target.get_input_embeddings()(tokens)
+    x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(g)], -1)
+    rope = LlamaRotaryEmbedding(cfg)(g, pos)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    a, _ = layer.self_attn(hidden_states=x, attention_mask=mask, position_embeddings=rope)
+    h = g + a
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    draft = norm(h) @ w["lm_head.weight"].T
+    full = torch.full((*draft.shape[:-1], target.config.vocab_size), float("-inf"))
+    full[..., torch.arange(draft.shape[-1]) + w["d2t"]] = draft
+    return full
+
+
+@torch.inference_mode()
+def test_eagle3_head_exports_to_speculators_eagle3(target, tmp_path):
+    src, head = eagle3_head(target, tmp_path)
+    out = tmp_path / "out"
+    assert export(src, "--format", "speculators", "--out", out, "--num-speculative-tokens", 3) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1]
+    assert cfg["draft_vocab_size"] == len(head.draft_vocab) and cfg["norm_before_residual"] is False
+    assert cfg["speculators_config"]["algorithm"] == "eagle3"
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    w = load_file(str(out / "model.safetensors"))
+    ids = head.draft_vocab.d2t
+    assert torch.equal(w["d2t"] + torch.arange(len(ids)), ids) and int(w["t2d"].sum()) == len(ids)
+    assert torch.equal(w["t2d"].nonzero().flatten(), ids)
+    assert torch.equal(w["lm_head.weight"], target.lm_head.weight[ids])
+    assert w["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * target.config.hidden_size
+    assert "layers.0.hidden_norm.weight" in w and "embed_tokens.weight" not in w  # embedding: the verifier's
+    meta = json.loads((out / EXPORT_META).read_text())
+    assert meta["eagle3"] and meta["vllm_loadable"] and meta["max_abs_logit_diff"] <= 1e-5
+    assert "pruned_vocab_dropped" not in meta  # the layout holds the draft vocabulary
+    assert json.loads((out / VLLM_CONFIG).read_text())["method"] == "eagle3"
+    readme = (out / "README.md").read_text()
+    assert "--speculative-algorithm EAGLE3" in readme and "load_speculators_eagle3_export" in readme
+    # an independent forward from the files alone drafts what the head drafts
+    tokens = torch.randint(0, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    states = target(input_ids=tokens, output_hidden_states=True).hidden_states
+    rows = torch.cat([states[0], states[1]], -1)[:, :-1]
+    ours = head.draft_logits(head(head.input_features(rows), tokens[:, 1:]))
+    ref = eagle3_reference_logits(out, target, rows, tokens[:, 1:])
+    kept = torch.isfinite(ours[0, 0])
+    assert torch.equal(kept, torch.isfinite(ref[0, 0]))
+    torch.testing.assert_close(ref[..., kept], ours[..., kept], rtol=1e-5, atol=1e-5)
+    # a wrong d2t convention (absolute ids instead of offsets) would scatter to other columns: the check can fail
+    wrong = torch.full_like(ref, float("-inf"))
+    wrong[..., torch.clamp(w["d2t"], 0, target.config.vocab_size - 1)] = ref[..., kept]
+    assert not torch.equal(torch.isfinite(wrong[0, 0]), kept)
+
+
+def test_eagle3_export_without_a_draft_vocabulary(target, tmp_path):
+    src, head = eagle3_head(target, tmp_path, vocab=False)
+    out = tmp_path / "out"
+    assert export(src, "--format", "speculators", "--out", out) == 0
+    w = load_file(str(out / "model.safetensors"))
+    assert "d2t" not in w and torch.equal(w["lm_head.weight"], target.lm_head.weight)
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == target.config.vocab_size
+
+
+def test_fused_heads_that_speculators_cannot_hold_are_refused(target, tmp_path, capsys):
+    src, _ = eagle3_head(target, tmp_path, layer="eagle1", name="e1layer")
+    assert export(src, "--format", "speculators", "--out", tmp_path / "a") == 2
+    assert "head.layer=eagle3" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    src3, _ = eagle3_head(target, tmp_path, name="e3b")
+    assert export(src3, "--format", "eagle", "--out", tmp_path / "b") == 2
+    assert "--format speculators" in capsys.readouterr().err and not (tmp_path / "b").exists()

@@ -14,6 +14,14 @@ What each artifact kind can become (anything else is refused, never approximated
   → ``speculators``: the EAGLE-1 layout of the ``speculators`` library (``speculators_model_type:
   eagle``, one ``transformer`` layer, ``fusion_fc``). That layer always runs without an input norm, so
   a head that normalises its input cannot be written exactly there; it is refused with the reason.
+* EAGLE-3 head (``feature_layers`` set, ``layer: eagle3``: EAGLE-3's own first layer) → ``speculators``: the
+  ``speculators`` EAGLE-3 layout (``speculators_model_type: eagle3``, ``Eagle3DraftModel``; read by vLLM's
+  ``eagle3`` method): ``fc`` (our ``fuse``), ``layers.0.*``, ``norm``, ``lm_head`` (the draft vocabulary's rows
+  of the target's LM head) and the draft vocabulary as speculators stores it (``d2t`` offsets, ``t2d`` mask);
+  ``eagle_aux_hidden_state_layer_ids`` = our feature layers (both count the input of decoder layer i as i).
+  Checked by reading the export back into an EagleHead (:func:`load_speculators_eagle3_export`): the same draft
+  logits. A fused head with the EAGLE-1 layer (fc + the target's layer class) has no exact speculators form and
+  is refused with the reason (train with ``head.layer=eagle3``).
 * Drafter model (``drafter.json``) → ``hf``: the HF folder as it is (config, weights, tokenizer).
 * Early-exit heads and calibrators are runtime-only (they reuse the target's own layers or only score
   drafts); no serving stack has a slot for them.
@@ -49,6 +57,8 @@ LAYER = "model.layers.0."  # prefix of the decoder layer in an EagleHead state d
 INPUT_NORM = "input_layernorm.weight"
 # speculators' EagleSpeculatorConfig as of the last release that has it (0.4.x)
 SPECULATORS_SCHEMA = "0.4.0.1"
+# speculators' Eagle3SpeculatorConfig as checked by scripts/check_export_speculators.py --eagle3
+SPECULATORS_EAGLE3_SCHEMA = "0.9.0"
 
 
 # --------------------------------------------------------------------------- what the artifact is
@@ -169,6 +179,93 @@ def speculators_layout(state: dict[str, torch.Tensor], target_config, folder, *,
     return tensors, cfg, {"layers": 1, "passthrough_first_layer": False, "fc_bias": bias}
 
 
+def speculators_eagle3_layout(head, target_config, folder, *, verifier: str, num_tokens: int) -> tuple[dict, dict, dict]:
+    """(tensors, config.json, facts) of speculators' EAGLE-3 layout (Eagle3SpeculatorConfig) for a fused EagleHead
+    with EAGLE-3's first layer (``layer: eagle3``)."""
+    if not head.fused or head.layer != "eagle3":
+        raise UserError(
+            f"{folder}: --format speculators writes an EAGLE-3 head exactly only when its layer is EAGLE-3's own "
+            f"(head.layer=eagle3: separate norms of embedding and feature, 2d q/k/v, no fc); this head "
+            f"{'uses the EAGLE-1 layer (fc over [embedding, feature] + the target layer class)' if head.fused else 'is not fused'}"
+            ". Retrain with `--recipe recipes/heads/eagle3.yaml` (head.layer=eagle3)")
+    n_layers = target_config.num_hidden_layers
+    if n_layers in head.feature_layers:
+        raise UserError(f"{folder}: feature layer {n_layers} is HF's final state after the model norm, speculators' "
+                        f"layer {n_layers} the one before it; export needs feature layers below {n_layers}")
+    state = head.trainable_state_dict()
+    tensors = {"fc.weight": state["fuse.weight"], "norm.weight": state["norm.weight"]}
+    tensors.update({k[len("model."):]: v for k, v in state.items() if k.startswith(LAYER)})
+    lm = head.lm_head.weight
+    vocab_size = lm.shape[0]
+    if head.draft_vocab is None:
+        tensors["lm_head.weight"] = lm.detach()
+        draft_size = vocab_size
+    else:
+        ids = head.draft_vocab.d2t
+        tensors["lm_head.weight"] = head.draft_rows(lm)
+        tensors["d2t"] = ids - torch.arange(len(ids))  # speculators/vLLM: target id = draft index + d2t[index]
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        tensors["t2d"] = t2d
+        draft_size = len(ids)
+    layer_cfg = _layer_config(target_config, 1)
+    cfg = {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_EAGLE3_SCHEMA,
+        "transformer_layer_config": layer_cfg,
+        "draft_vocab_size": draft_size,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
+        "torch_dtype": "float32",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(target_config.architectures or [])},
+        },
+    }
+    facts = {"layers": 1, "passthrough_first_layer": False, "fc_bias": False, "eagle3": True,
+             "feature_layers": list(head.feature_layers), "draft_vocab_size": draft_size}
+    return tensors, cfg, facts
+
+
+def load_speculators_eagle3_export(folder, target) -> torch.nn.Module:
+    """A fused :class:`decode.choose.heads.EagleHead` (``layer: eagle3``) on ``target`` rebuilt from a speculators
+    EAGLE-3 export (the round trip of :func:`speculators_eagle3_layout`); its LM-head rows must be the target's."""
+    from safetensors.torch import load_file
+
+    from decode.choose.heads import EagleHead
+    from decode.core.vocab import DraftVocab
+
+    folder = Path(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise UserError(f"{folder} is not a speculators EAGLE-3 export (speculators_model_type "
+                        f"{cfg.get('speculators_model_type')!r})")
+    state = load_file(str(folder / WEIGHTS))
+    lm = target.get_output_embeddings().weight
+    vocab = None
+    if "d2t" in state:
+        ids = state["d2t"] + torch.arange(len(state["d2t"]))
+        vocab = DraftVocab(ids, lm.shape[0])
+    head = EagleHead(target, feature_layers=tuple(cfg["eagle_aux_hidden_state_layer_ids"]), layer="eagle3",
+                     draft_vocab=vocab)
+    want_rows = head.draft_rows(lm)
+    if state["lm_head.weight"].shape != want_rows.shape or not torch.equal(state["lm_head.weight"], want_rows):
+        raise UserError(f"{folder}: lm_head.weight is not the target's LM head (over the draft vocabulary); "
+                        "an EagleHead drafts through the target's own")
+    mine = {"fuse.weight": state["fc.weight"], "norm.weight": state["norm.weight"]}
+    mine.update({"model." + k: v for k, v in state.items() if k.startswith("layers.0.")})
+    head.load_trainable_state_dict(mine)
+    return head.eval()
+
+
 def load_eagle_export(folder, target) -> torch.nn.Module:
     """An :class:`decode.choose.heads.EagleHead` on ``target`` rebuilt from an ``eagle``-format export (the round trip
     of :func:`eagle_layout`): two layers, the first a pass-through (a head with its input norm), or one layer
@@ -224,19 +321,24 @@ def draft_logits(head, target, seed: int = 0, length: int = 12) -> torch.Tensor:
     (what the eagle arm feeds it), teacher-forced, one step ahead."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.config.vocab_size, (1, length + 1), generator=g)
-    feats = target.get_decoder()(input_ids=ids[:, :-1]).last_hidden_state.float()
+    if getattr(head, "fused", False):  # EAGLE-3: the fused layers' rows
+        states = target(input_ids=ids[:, :-1], output_hidden_states=True).hidden_states
+        feats = head.input_features(torch.cat([states[i] for i in head.feature_layers], -1).float())
+    else:
+        feats = target.get_decoder()(input_ids=ids[:, :-1]).last_hidden_state.float()
     f = head(feats, ids[:, 1:])
     # over the target vocabulary (-inf outside a pruned head's draft vocabulary)
     return (head.draft_logits(f) if hasattr(head, "draft_logits") else head.logits(f)).float()
 
 
-def _verify_eagle(src: Path, exported: Path, target) -> float:
-    """Max |Δlogit| between the original head and the one read back from ``exported`` over the tokens the
-    original drafts from (all of them, or its pruned vocabulary); refuses any mismatch."""
+def _verify_eagle(src: Path, exported: Path, target, load=None) -> float:
+    """Max |Δlogit| between the original head and the one read back from ``exported`` (by ``load``, default
+    :func:`load_eagle_export`) over the tokens the original drafts from (all of them, or its pruned vocabulary);
+    refuses any mismatch."""
     from decode.choose.heads import load_head
 
     ours = draft_logits(load_head(src, target, expect="eagle"), target)
-    back = draft_logits(load_eagle_export(exported, target), target)
+    back = draft_logits((load or load_eagle_export)(exported, target), target)
     kept = torch.isfinite(ours[0, 0])  # the original's draft vocabulary
     ours, back = ours[..., kept], back[..., kept]
     diff = float((ours - back).abs().max())
@@ -248,7 +350,8 @@ def _verify_eagle(src: Path, exported: Path, target) -> float:
 # --------------------------------------------------------------------------- README and serving configs
 
 def serving_snippets(kind: str, fmt: str, out: Path, *, target: str, source: str, k: int, vllm_ok: bool,
-                     why_not: str = "", passthrough: bool = False, pruned: dict | None = None) -> tuple[dict | None, str]:
+                     why_not: str = "", passthrough: bool = False, pruned: dict | None = None,
+                     eagle3: bool = False) -> tuple[dict | None, str]:
     """(vLLM speculative_config or None when vLLM cannot load this export exactly, README text)."""
     path = str(out.resolve())
     if kind == "drafter":
@@ -262,14 +365,15 @@ def serving_snippets(kind: str, fmt: str, out: Path, *, target: str, source: str
             f"out = target.generate(**inputs, assistant_model=assistant, num_assistant_tokens={k}, max_new_tokens=64)\n"
             "print(tok.decode(out[0], skip_special_tokens=True))")
     else:
-        vllm = {"method": "eagle", "model": path, "num_speculative_tokens": k}
-        sglang_algo, tf = "EAGLE", (
+        vllm = {"method": "eagle3" if eagle3 else "eagle", "model": path, "num_speculative_tokens": k}
+        loader = "load_speculators_eagle3_export" if eagle3 else "load_eagle_export"
+        sglang_algo, tf = "EAGLE3" if eagle3 else "EAGLE", (
             "# transformers' assisted generation takes a whole draft model, not a feature head; run the head\n"
             "# with this project's runtime instead (it reads the original head folder):\n"
             f"#   python -m decode generate 'PROMPT' --target {target} --arms 'eagle:path={source},L={k}'\n"
             "# or rebuild it from this folder in Python:\n"
-            "from decode.core.models import load_model\nfrom toolkit.export_formats import load_eagle_export\n"
-            f"target, tok = load_model({target!r})\nhead = load_eagle_export({path!r}, target)")
+            f"from decode.core.models import load_model\nfrom toolkit.export_formats import {loader}\n"
+            f"target, tok = load_model({target!r})\nhead = {loader}({path!r}, target)")
     sglang = (f"python -m sglang.launch_server --model-path {target} \\\n  --speculative-algorithm {sglang_algo} "
               f"--speculative-draft-model-path {path} \\\n  --speculative-num-steps {k} --speculative-eagle-topk 1 "
               f"--speculative-num-draft-tokens {k + 1}")
@@ -285,6 +389,11 @@ def serving_snippets(kind: str, fmt: str, out: Path, *, target: str, source: str
             lines += ["This head normalises its fused input; EAGLE-1 runs its first layer without that norm, so "
                       "layer 0 here is an exact pass-through (all projections zero) and layer 1 is the trained "
                       "layer: the same draft logits, for one extra small layer of drafting compute.", ""]
+    elif fmt == "speculators" and eagle3:
+        lines += ["Layout: the `speculators` library's EAGLE-3 format (`speculators_model_type: eagle3`, "
+                  f"`Eagle3DraftModel`, schema of speculators {SPECULATORS_EAGLE3_SCHEMA}): `fc` fuses the target "
+                  "layers `eagle_aux_hidden_state_layer_ids`, one EAGLE-3 decoder layer, `norm`, `lm_head` over the "
+                  "draft vocabulary (`d2t`/`t2d`); the embedding comes from the verifier.", ""]
     elif fmt == "speculators":
         lines += ["Layout: the `speculators` library's EAGLE-1 format (`speculators_model_type: eagle`, "
                   f"schema of speculators {SPECULATORS_SCHEMA}); embedding and LM head come from the verifier.", ""]
@@ -343,18 +452,28 @@ def export(artifact, fmt: str, out, *, target: str | None = None, num_tokens: in
             from decode.choose.heads.common import check_signature
             check_signature(head_cfg.get("target", {}), model, src)
             state = load_file(str(src / HEAD_WEIGHTS))
+            eagle3 = bool(head_cfg.get("feature_layers"))
+            if eagle3 and fmt == "eagle":
+                raise UserError(f"{src} is an EAGLE-3 (fused) head; EAGLE-1's layout has no slot for fused target "
+                                "layers: use --format speculators (EAGLE-3 format)")
             if fmt == "eagle":
                 tensors, cfg, facts = eagle_layout(state, model.config, src)
+            elif eagle3:
+                from decode.choose.heads import load_head
+                tensors, cfg, facts = speculators_eagle3_layout(load_head(src, model, expect="eagle"), model.config,
+                                                                src, verifier=target, num_tokens=num_tokens)
             else:
                 tensors, cfg, facts = speculators_layout(state, model.config, src, verifier=target, num_tokens=num_tokens)
             write_layout(tmp, tensors, cfg)
             from decode.core.vocab import VOCAB_FILE
-            if (src / VOCAB_FILE).exists():  # the layout has no slot for it: keep it beside, say what changes
+            if (src / VOCAB_FILE).exists() and not eagle3:  # no slot for it: keep it beside, say what changes
                 shutil.copy2(src / VOCAB_FILE, tmp / VOCAB_FILE)
                 dv = head_cfg.get("draft_vocab") or {}
                 facts["pruned_vocab_dropped"] = {"size": dv.get("size"), "coverage": dv.get("coverage")}
             meta.update(facts)
-            meta["max_abs_logit_diff"] = _verify_eagle(src, tmp, model) if fmt == "eagle" else None
+            meta["max_abs_logit_diff"] = (_verify_eagle(src, tmp, model) if fmt == "eagle" else
+                                          _verify_eagle(src, tmp, model, load_speculators_eagle3_export) if eagle3
+                                          else None)
             vllm_ok = not facts["fc_bias"]
             why = ("the head's fc layer has a bias, and vLLM's EAGLE-1 drafter (EagleLlamaForCausalLM) builds fc "
                    "without one; serve it with SGLang or EAGLE, or train a head whose fc has no bias") if not vllm_ok else ""
@@ -363,7 +482,7 @@ def export(artifact, fmt: str, out, *, target: str | None = None, num_tokens: in
         vllm, readme = serving_snippets(kind, fmt, out, target=resolve_path(target), source=meta["source"],
                                         k=num_tokens, vllm_ok=vllm_ok,
                                         why_not=why, passthrough=meta.get("passthrough_first_layer", False),
-                                        pruned=meta.get("pruned_vocab_dropped"))
+                                        pruned=meta.get("pruned_vocab_dropped"), eagle3=meta.get("eagle3", False))
         meta["vllm_loadable"] = vllm_ok
         if vllm is not None:
             (tmp / VLLM_CONFIG).write_text(json.dumps(vllm, indent=2) + "\n")

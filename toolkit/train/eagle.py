@@ -68,12 +68,18 @@ class EagleSection:
     feature_layers: list[int] | None = None  # fused only: HF hidden_states ids; null = EAGLE-3's (2, N//2, N-3)
     ttt_steps: int = 1  # training-time test: unrolled steps with a loss each (1 = EAGLE-1 training)
     ttt_decay: float = 0.8  # step s's loss weight = ttt_decay**s (EAGLE-3: 0.8)
+    # fused only: eagle1 = fc(cat[emb, g]) + the target's layer class; eagle3 = EAGLE-3's own first layer (separate
+    # norms, 2d q/k/v, no fc): the layout speculators' Eagle3 holds, so `toolkit export --format speculators` is exact
+    layer: Literal["eagle1", "eagle3"] = "eagle1"
 
     def __post_init__(self):
         if self.ce_weight < 0 or self.noise < 0:
             raise UserError(f"head.ce_weight and head.noise must be >= 0, got {self.ce_weight}, {self.noise}")
         if self.feature_layers is not None and self.features != "fused":
             raise UserError("head.feature_layers picks the fused layers: set head.features=fused too (or drop it)")
+        if self.layer == "eagle3" and (self.features != "fused" or not self.input_norm):
+            raise UserError("head.layer=eagle3 is EAGLE-3's first layer: it reads fused target layers and normalises "
+                            "its inputs; set head.features=fused and keep head.input_norm=true (or use head.layer=eagle1)")
         if self.ttt_steps < 1:
             raise UserError(f"head.ttt_steps must be >= 1 (1 = no training-time test), got {self.ttt_steps}")
         if not 0 < self.ttt_decay <= 1:
@@ -244,7 +250,7 @@ def heldout_agreement(module: EagleTrainModule, examples, progress: bool = True,
     return report
 
 
-_EAGLE3_FIELDS = ("features", "feature_layers", "ttt_steps", "ttt_decay")
+_EAGLE3_FIELDS = ("features", "feature_layers", "ttt_steps", "ttt_decay", "layer")
 
 
 def _fingerprint(section: EagleSection) -> dict:
@@ -273,7 +279,8 @@ def train(recipe: EagleRecipe) -> dict:
     eagle3 = recipe.head.features == "fused" or recipe.head.ttt_steps > 1
     st = text_setup(recipe, "eagle3" if eagle3 else KIND)
     head = EagleHead(st.target, init=recipe.head.init, draft_vocab=st.vocab, input_norm=recipe.head.input_norm,
-                     fc_bias=recipe.head.fc_bias, feature_layers=recipe.head.layers(st.target.config.num_hidden_layers))
+                     fc_bias=recipe.head.fc_bias, feature_layers=recipe.head.layers(st.target.config.num_hidden_layers),
+                     layer=recipe.head.layer)
     fp = head_fingerprint(recipe, KIND, st.place, examples=len(st.train), head=_fingerprint(recipe.head),
                           draft_vocab=to_dict(recipe.draft_vocab))
     train_ds, collate = with_feature_cache(

@@ -34,6 +34,10 @@ a copy of the target's final norm and trained. Deviations from EAGLE-3 (kept sim
   * ``fuse`` starts as "take h_high" (identity on the last listed layer, zero elsewhere) so training starts
     from a logit-lens guess, where EAGLE-3 starts it at random;
   * any number ≥ 1 of layers is accepted (EAGLE-3: three).
+``layer="eagle3"`` (fused heads only) removes the first deviation: no ``fc``, and the decoder layer is EAGLE-3's
+own (decode/choose/heads/eagle3_layer.py: separate norms of embedding and feature, 2d q/k/v, the feature as the
+residual), exactly the ``fc`` + first layer + ``norm`` of speculators' ``Eagle3DraftModel``, so such a head
+exports to speculators' EAGLE-3 format (``toolkit export --format speculators``) with nothing approximated.
 Callers feed raw target rows through :meth:`input_features` (g for a fused head, the feature itself for
 EAGLE-1) and the head's own outputs back as they are; :meth:`logits` applies the norm. So chain and tree
 drafting are the same code for both styles.
@@ -51,6 +55,7 @@ from ...core.linear import packed_linear
 from ...core.vocab import DraftVocab
 from ...core.hidden import check_hidden_layers
 from .common import DraftVocabMixin, Head, base_model, build_stack, clone_layer, sub_config
+from .eagle3_layer import to_eagle3_layer
 
 
 def eagle3_layers(n_layers: int) -> tuple[int, int, int]:
@@ -67,24 +72,33 @@ class EagleHead(DraftVocabMixin, Head):
     kind = "eagle"
 
     INITS = ("identity", "last_layer", "random")
+    LAYERS = ("eagle1", "eagle3")
 
     def __init__(self, target: nn.Module, init: str = "identity", draft_vocab: DraftVocab | None = None,
-                 input_norm: bool = True, fc_bias: bool = True, feature_layers=None):
+                 input_norm: bool = True, fc_bias: bool = True, feature_layers=None, layer: str = "eagle1"):
         """init: ``identity`` = the target's last layer with its output projections zeroed, so the
         head starts as f̂_{t+1} = f_t and learns a residual (a copy of the last layer applied to a
         post-norm feature starts far off); ``last_layer`` = plain copy; ``random`` = fresh layer.
         draft_vocab: draft from these target ids only (None = the full vocabulary).
         input_norm / fc_bias: keep the decoder layer's input RMSNorm / a bias on ``fc`` (module docstring).
         feature_layers: None = EAGLE-1 (post-norm final feature, predicted); a tuple of hidden-state ids = EAGLE-3
-        fusion (module docstring)."""
+        fusion (module docstring).
+        layer: ``eagle1`` = fc(cat[emb, feature]) then the target's layer class; ``eagle3`` = EAGLE-3's first layer
+        (fused heads only; no fc, so ``fc_bias`` does not apply; it normalises its inputs itself)."""
         super().__init__()
         if init not in self.INITS:
             raise UserError(f"eagle head init must be one of {', '.join(self.INITS)}, got '{init}'")
+        if layer not in self.LAYERS:
+            raise UserError(f"eagle head layer must be one of {', '.join(self.LAYERS)}, got '{layer}'")
+        if layer == "eagle3" and (feature_layers is None or not input_norm):
+            raise UserError("eagle head layer=eagle3 is EAGLE-3's first layer: it reads fused target layers "
+                            "(set head.features=fused) and normalises its inputs (keep head.input_norm=true)")
         base = base_model(target)
         total = len(base.layers)
         d = target.config.hidden_size
         self._remember_target(target)
-        self.init, self.input_norm, self.fc_bias = init, bool(input_norm), bool(fc_bias)
+        self.layer = layer
+        self.init, self.input_norm, self.fc_bias = init, bool(input_norm), bool(fc_bias) and layer == "eagle1"
         self.feature_layers = None if feature_layers is None else check_hidden_layers(
             feature_layers, total, "eagle head feature_layers")
         layer = clone_layer(base.layers[-1], 0)
@@ -100,16 +114,19 @@ class EagleHead(DraftVocabMixin, Head):
             if not hasattr(layer, "input_layernorm"):
                 raise UserError(f"eagle head input_norm=false: {type(layer).__name__} has no input_layernorm to drop")
             layer.input_layernorm = nn.Identity()
+        if self.layer == "eagle3":
+            layer = to_eagle3_layer(layer, target.config.model_type, fresh=init == "random")
         # tuple: the target's modules are used but not registered (not trained, not saved)
         self._shared = (base.embed_tokens, target.get_output_embeddings())
         self.model = build_stack(target, [layer], [total - 1], norm=nn.Identity(), embed=nn.Identity())
         p = next(base.parameters())
-        self.fc = nn.Linear(2 * d, d, bias=self.fc_bias, device=p.device, dtype=p.dtype)
-        with torch.no_grad():  # start as "pass the feature through" so early training is stable
-            self.fc.weight.zero_()
-            self.fc.weight[:, d:].copy_(torch.eye(d))
-            if self.fc_bias:
-                self.fc.bias.zero_()
+        if self.layer == "eagle1":
+            self.fc = nn.Linear(2 * d, d, bias=self.fc_bias, device=p.device, dtype=p.dtype)
+            with torch.no_grad():  # start as "pass the feature through" so early training is stable
+                self.fc.weight.zero_()
+                self.fc.weight[:, d:].copy_(torch.eye(d))
+                if self.fc_bias:
+                    self.fc.bias.zero_()
         if self.feature_layers is not None:
             n = len(self.feature_layers)
             self.fuse = nn.Linear(n * d, d, bias=False, device=p.device, dtype=p.dtype)
@@ -151,6 +168,8 @@ class EagleHead(DraftVocabMixin, Head):
 
     def head_config(self) -> dict:
         fused = {"feature_layers": list(self.feature_layers)} if self.fused else {}
+        if self.layer != "eagle1":  # head.json of EAGLE-1-layer heads stays as it was before the option existed
+            fused["layer"] = self.layer
         return {"init": self.init, "input_norm": self.input_norm, "fc_bias": self.fc_bias, **fused,
                 "target": self._signature, **self.draft_vocab_config()}
 
@@ -159,7 +178,7 @@ class EagleHead(DraftVocabMixin, Head):
         # heads saved before input_norm/fc_bias existed had both; before feature_layers, all were EAGLE-1 heads
         return cls(cls._check_target(meta, target), init=meta.get("init", "identity"), draft_vocab=draft_vocab,
                    input_norm=meta.get("input_norm", True), fc_bias=meta.get("fc_bias", True),
-                   feature_layers=meta.get("feature_layers"))
+                   feature_layers=meta.get("feature_layers"), layer=meta.get("layer", "eagle1"))
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, past_key_values=None,
                 attention_mask=None, use_cache: bool = False, position_ids=None) -> torch.Tensor:
@@ -168,7 +187,9 @@ class EagleHead(DraftVocabMixin, Head):
         target rows, or the head's own earlier outputs."""
         with torch.no_grad():
             e = self.embed(next_tokens)
-        x = self.fc(torch.cat([e.to(features.dtype), features], dim=-1))
+        x = torch.cat([e.to(features.dtype), features], dim=-1)
+        if self.layer == "eagle1":
+            x = self.fc(x)
         out = self.model(inputs_embeds=x, attention_mask=attention_mask, past_key_values=past_key_values,
                          use_cache=use_cache, position_ids=position_ids)
         return out.last_hidden_state
