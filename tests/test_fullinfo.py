@@ -191,3 +191,72 @@ def test_router_learns_which_arm_wins_in_which_context():
 
 def test_router_buckets():
     assert [bucket(x) for x in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 100)] == [0, 1, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+
+
+# ---- the EAGLE chain: scored in greedy runs ----------------------------------------------------------------
+
+def _eagle_engine(model, sampling=GREEDY, eos=()):
+    from decode.choose.arms.eagle import EagleArm
+    from decode.choose.heads import EagleHead
+
+    head = EagleHead(model, init="identity")  # drafts the last token again: the peaked model often repeats
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in head.trainable_parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    target = Target(model, want_hidden=True)
+    env = ArmEnv(model, TinyTokenizer(64), sampling, generator=torch.Generator().manual_seed(0), target=target)
+    arms = [build_arm("pld:L=4", env), EagleArm(head.eval(), model, sampling, L=3, target=target,
+                                                generator=torch.Generator().manual_seed(2)), build_arm("none", env)]
+    return SpecEngine(target, arms, Verifier(sampling, generator=torch.Generator().manual_seed(1)), eos_token_ids=eos,
+                      step_time=0.05)
+
+
+@pytest.mark.parametrize("eos", [(), (3,)])
+def test_eagle_counterfactual_equals_playing_it_from_that_prefix(model, eos):
+    """Greedy: the EAGLE chain's would-be draft from every round's prefix is what playing it there gives."""
+    eng = _eagle_engine(model, eos=eos)
+    assert eng.scorer.scorable == [0, 1, 2]
+    checked = accepted = played = 0
+    for prompt in PROMPTS:
+        gen = eng.generate(prompt, build_policy("hedge", len(eng.arms), eng.max_len, seed=1), 30)
+        assert gen.tokens == plain_greedy(model, prompt, 30)[:len(gen.tokens)]
+        start = 0
+        for rec in gen.rounds:
+            played += rec.arm == 1
+            cf = rec.feedback[1]
+            if rec.arm != 1:
+                assert cf.counterfactual and cf.exact
+                prefix = prompt + gen.tokens[:start]
+                live = eng.step(eng.begin(prefix, build_policy("fixed", 3, eng.max_len), 30 - start), arm=1).record
+                assert (cf.drafted, cf.accepted, cf.new_tokens) == (live.drafted, live.accepted, live.new_tokens)
+                checked += 1
+                accepted += cf.accepted > 0
+            start += rec.new_tokens
+    assert checked > 10 and accepted >= 3 and played > 0  # accepted: real matches, not only first-token misses
+
+
+def test_eagle_is_scored_only_in_greedy_runs(model):
+    """Sampled EAGLE drafts are random: no counterfactual; hedge refuses, UCBSpec learns EAGLE from its plays."""
+    eng = _eagle_engine(model, SamplingConfig(temperature=1.0))
+    assert eng.scorer.scorable == [0, 2]
+    with pytest.raises(UserError, match="eagle@3 cannot be scored"):
+        eng.generate(PROMPTS[0], build_policy("hedge", 3, eng.max_len), 10)
+    gen = eng.generate(PROMPTS[0], build_policy("ucbspec:fullinfo=true", 3, eng.max_len), 16)
+    assert all(1 not in r.feedback or r.arm == 1 for r in gen.rounds)
+    eng.set_sampling(GREEDY)  # a server switching the next request to greedy scores it again
+    assert eng.scorer.scorable == [0, 1, 2]
+
+
+def test_eagle_counterfactual_can_be_switched_off(model, tmp_path):
+    from decode.choose.heads import EagleHead, save_head
+
+    save_head(EagleHead(model), tmp_path / "head")
+    target = Target(model)
+    env = ArmEnv(model, TinyTokenizer(64), GREEDY, target=target)
+    arms = [build_arm("pld:L=3", env), build_arm(f"eagle:path={tmp_path / 'head'},L=2,counterfactual=false", env)]
+    eng = SpecEngine(target, arms, Verifier(GREEDY), step_time=0.05)
+    assert eng.scorer.scorable == [0]
+    gen = eng.generate(PROMPTS[0], build_policy("router", 2, eng.max_len), 16)
+    assert gen.tokens == plain_greedy(model, PROMPTS[0], 16)
+    assert all(1 not in r.feedback or r.arm == 1 for r in gen.rounds)

@@ -2,13 +2,15 @@
 scored against the verified tokens without another target forward (ALGORITHMS.md §10, HedgeSpec).
 
 Which arms are scored: arms whose proposal is a deterministic function of the context
-(``Arm.free_counterfactual``: prompt lookup, suffix, no speculation, unions of those). Before the
-round's verification each of them proposes from the same prefix the played arm saw (CPU work, counted
-in the round's time as ``StepTimes.feedback``); its draft d (m tokens) is then matched against the
+(``Arm.free_counterfactual``: prompt lookup, suffix, no speculation, unions of those) and, in greedy runs,
+arms whose greedy draft is one cheaply (``Arm.greedy_counterfactual``: the EAGLE chain, whose catch-up head
+forward over the verified tokens is owed anyway; its would-be draft adds L-1 head steps). Before the
+round's verification each of them proposes from the same prefix the played arm saw (counted in the
+round's time as ``StepTimes.feedback``); its draft d (m tokens) is then matched against the
 tokens the query goes on to emit. The match is resolved once a mismatch appears or m tokens are
 known — usually in the same round, at most a round or two later when d agrees with everything emitted
-so far (HedgeSpec's delay). Neural arms (drafters, EAGLE, early exit) are not scored: their draft from a
-prefix costs forwards of their own, so they get bandit feedback only (when played).
+so far (HedgeSpec's delay). Other neural arms (drafters, early exit, EAGLE trees, EAGLE under sampling,
+whose draft is random) are not scored: they get bandit feedback only (when played).
 
 Exactness:
 - greedy: the target's continuation does not depend on which arm was played, so the matched length IS
@@ -61,9 +63,14 @@ class CounterfactualScorer:
     def __init__(self, arms, greedy: bool):
         self.arms = arms
         self.greedy = greedy
-        self.scorable = [j for j, a in enumerate(arms) if getattr(a, "free_counterfactual", False)]
         self.verify_sum: dict[int, float] = {}  # drafted length -> summed live verification time (per query)
         self.verify_n: dict[int, int] = {}
+
+    @property
+    def scorable(self) -> list[int]:
+        """The arms scored this query (greedy adds the arms whose greedy draft is deterministic)."""
+        return [j for j, a in enumerate(self.arms)
+                if getattr(a, "free_counterfactual", False) or (self.greedy and getattr(a, "greedy_counterfactual", False))]
 
     def new_query(self) -> None:
         self.verify_sum.clear()

@@ -168,8 +168,9 @@ class SpecEngine:
             unscored = [a.label for j, a in enumerate(self.arms) if j not in self.scorer.scorable]
             if unscored and getattr(policy, "needs_every_arm", False):
                 raise UserError(f"policy {policy.name} learns from every arm's reward every round, but "
-                                f"{', '.join(unscored)} cannot be scored without playing them (only model-free "
-                                f"arms get counterfactual feedback); use ucbspec:fullinfo=true or thompson:"
+                                f"{', '.join(unscored)} cannot be scored without playing them (counterfactual "
+                                f"feedback covers model-free arms, and EAGLE chains in greedy runs); use "
+                                f"ucbspec:fullinfo=true or thompson:"
                                 f"fullinfo=true, which learn those arms from their own rounds")
             self.scorer.new_query()
         length.reset()

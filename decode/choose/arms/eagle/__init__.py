@@ -23,9 +23,11 @@ TREES = ("chain", "dynamic")
 @register("eagle")
 def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None,
           K: Annotated[int, Range(1)] = 1, tree: str = "chain", nodes: Annotated[int, Range(1)] = 16,
-          topk: Annotated[int, Range(1)] = 4):
+          topk: Annotated[int, Range(1)] = 4, counterfactual: bool = True):
     """``eagle:path=HEAD,L=4`` a chain; ``K=k``: k i.i.d. sampled chains verified together (SpecTr k-Seq);
-    ``tree=dynamic,nodes=N,topk=k``: EAGLE-2's dynamic tree (decode/choose/arms/eagle/tree.py)."""
+    ``tree=dynamic,nodes=N,topk=k``: EAGLE-2's dynamic tree (decode/choose/arms/eagle/tree.py).
+    ``counterfactual=false``: a chain is not scored when unplayed (full-information policies then learn it from
+    its plays only), saving its would-be draft's head steps each round."""
     if tree not in TREES:
         raise UserError(f"eagle: tree must be chain (default; K=k for k sampled chains) or dynamic (EAGLE-2, "
                         f"with nodes=N,topk=k), got '{tree}'")
@@ -39,4 +41,6 @@ def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | N
         if tree == "dynamic":
             return EagleTreeArm(head, env.target_model, env.sampling, L, nodes, topk, **kw)
         return EagleChainsArm(head, env.target_model, env.sampling, L, K, **kw)
-    return EagleArm(head, env.target_model, env.sampling, L, **kw)
+    arm = EagleArm(head, env.target_model, env.sampling, L, **kw)
+    arm.greedy_counterfactual = counterfactual
+    return arm

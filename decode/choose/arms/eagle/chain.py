@@ -16,6 +16,12 @@ whose selector reads them from the HiddenStates the engine hands ``observe``), s
 rows, and builds true entries from g = ``head.input_features(rows)``; draft steps feed the head's own output h
 back, exactly as the EAGLE-1 path feeds its predicted feature (the head's ``logits`` applies its norm).
 
+Counterfactual feedback (decode/choose/feedback.py): in greedy runs the chain's draft is a deterministic function
+of the context, so full-information policies and the router score it every round (``greedy_counterfactual``):
+the catch-up forward over the newly verified tokens is work the arm owes anyway, and the would-be draft adds
+L-1 head steps (timed as the round's feedback). When the arm is then played from the same context, the
+catch-up is not repeated (``_true_step`` keeps the prediction after the context).
+
 A head saved with a draft vocabulary (decode/core/vocab.py) drafts only its tokens: logits from the [N, d]
 rows of the target's LM head cached on the head at load, mapped back to target ids before sampling.
 """
@@ -35,6 +41,7 @@ from ..base import Arm
 class EagleArm(Arm):
     name = "eagle"
     uses_target_hidden = True
+    greedy_counterfactual = True  # a chain: deterministic in greedy (module docstring); trees set False
 
     def __init__(self, head: EagleHead, target_model, sampling: SamplingConfig, L: int = 4,
                  generator: torch.Generator | None = None, label: str | None = None, target=None,
@@ -80,6 +87,7 @@ class EagleArm(Arm):
         self.prev_len = self.prompt_len = len(prompt_ids)
         self.draft_hidden: list[torch.Tensor] = []
         self.target_hidden = None
+        self.after = None  # the head's prediction after self.tokens (the last _true_step's result)
 
     # -- true features ------------------------------------------------------------------------------
     def _append_feats(self, start: int, rows: torch.Tensor) -> None:
@@ -132,8 +140,11 @@ class EagleArm(Arm):
     def _true_step(self, context: list[int]) -> torch.Tensor:
         """Bring the head cache's true entries (those built from the target's own features) up to the
         context and return the predicted feature after it: the first step of every draft, chain or tree."""
-        self._fill_missing(context)
         m = len(context)
+        if self.after is not None and self.entries == m - 1 and self.tokens == context:
+            self.cache.crop(self.entries)  # proposed from this context already (a counterfactual draft)
+            return self.after
+        self._fill_missing(context)
         # entries must sit on the committed text; a different history (new query) rebuilds them
         if self.tokens[:self.entries + 1] != context[:self.entries + 1]:
             self.entries = 0
@@ -141,6 +152,7 @@ class EagleArm(Arm):
         f = self._step(self.head.input_features(self.feats[self.entries:m - 1]), context[self.entries + 1:m])
         self.entries = m - 1
         self.tokens = list(context)
+        self.after = f
         return f
 
     def _start(self, context: list[int], max_len: int) -> tuple[int, torch.Tensor | None]:

@@ -35,6 +35,7 @@ class _EagleTreeBase(EagleArm):
     the chain arm's ``_true_step``)."""
 
     name = "eagle_tree"
+    greedy_counterfactual = False  # a tree is not one chain a verified path can score
 
     def __init__(self, head, target_model, sampling, L: int = 4, **kw):
         super().__init__(head, target_model, sampling, L, **kw)
