@@ -215,3 +215,58 @@ def test_engine_with_confidence_stopping_is_greedy_lossless_and_varies_the_lengt
         assert gen.tokens == plain_greedy(model, prompt, 40)
         lengths |= {r.drafted for r in gen.rounds}
     assert len(lengths) > 1 and ctl.calib  # confidences were seen and the lengths vary
+
+
+# --------------------------------------------------------------------------- tree node budget
+
+@pytest.mark.parametrize("curve", [{2: 1.10, 3: 1.25, 4: 1.64, 5: 1.68, 6: 1.9, 7: 2.0},
+                                   {2: 1.5, 3: 1.4, 4: 1.3, 5: 1.35, 6: 1.4, 7: 1.45}])
+@pytest.mark.parametrize("values", [[0.9, 0.8, 0.5, 0.2, 0.1, 0.05], [0.3, 0.1, 0.1, 0.05, 0.01, 0.01]])
+def test_node_budget_is_the_best_prefix_and_its_scale_learns_the_accepted_depth(curve, values):
+    c = _curve([(1, 0.03)] + [(n, 0.03 * v) for n, v in curve.items()])
+    ctl = build_length("cost:prior_weight=4")
+    ctl.use_cost(c)
+    spent = 0.3 * 0.03  # 0.3 steps of drafting
+
+    def brute(scale):
+        best = None
+        for n in range(1, len(values) + 1):
+            v = (1 + sum(min(1.0, scale * x) for x in values[:n])) / (c.steps(n + 1, 100) + 0.3)
+            if best is None or v > best[0] + 1e-12:
+                best = (v, n)
+        return best[1]
+
+    n, e, cost, raw = ctl.node_budget(5, values, 100, spent)
+    assert n == brute(1.0) and raw == pytest.approx(sum(values[:n]))
+    assert e == pytest.approx(1 + sum(min(1.0, x) for x in values[:n]))
+    assert cost == pytest.approx(c.steps(n + 1, 100) + 0.3)
+    # through the round's callback: the plan recorded is the tree's, and the outcome calibrates s
+    promised = accepted = 0.0
+    for r in range(30):  # the head over-promises: one round in six accepts one node, the rest none
+        cb = ctl.keep_going(5, max_len=3, context=100)
+        n = cb.node_budget(values, spent)
+        assert ctl.plans[5][-1][0] == n
+        promised, accepted = promised + sum(values[:n]), accepted + (r % 6 == 0)
+        ctl.update(n, Outcome(accepted=int(r % 6 == 0), tokens=[0], tv=[], accept_prob=[]), arm=5)
+        ctl.update(n, Outcome(accepted=1, tokens=[0, 0], tv=[], accept_prob=[]), arm=5)  # not a tree round: no-op
+    assert ctl.tree_scale(5) == pytest.approx((accepted + 4) / (promised + 4)) and ctl.tree_scale(5) < 1
+    assert ctl.node_budget(5, values, 100, spent)[0] == brute(ctl.tree_scale(5))
+
+
+def test_engine_with_a_cost_budgeted_tree_is_greedy_lossless(one_thread):
+    from decode.choose.arms.eagle.tree import EagleTreeArm
+    from decode.choose.heads import EagleHead
+
+    model = tiny_llama(layers=2, seed=1, peaked=4.0)
+    head = EagleHead(model, init="identity").eval()
+    target = Target(model, want_hidden=True)
+    tree = EagleTreeArm(head, model, GREEDY, L=3, nodes=8, topk=3, target=target)
+    eng = SpecEngine(target, [tree], Verifier(GREEDY), step_time=1.0)
+    ctl = build_length("cost")
+    sizes = set()
+    for prompt in ([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [3, 3, 3]):
+        gen = eng.generate(prompt, build_policy("fixed", 1, eng.max_len), 30, length=ctl)
+        assert gen.tokens == plain_greedy(model, prompt, 30)
+        sizes |= {r.drafted for r in gen.rounds}
+        assert [p[0] for p in ctl.plans[0]] == [r.drafted for r in gen.rounds]  # the plan is what was verified
+    assert max(sizes) <= 8 and ctl.tree_stats[0][0] > 0

@@ -206,7 +206,7 @@ def _eagle_engine(model, sampling=GREEDY, eos=()):
             p.add_(0.02 * torch.randn(p.shape, generator=g))
     target = Target(model, want_hidden=True)
     env = ArmEnv(model, TinyTokenizer(64), sampling, generator=torch.Generator().manual_seed(0), target=target)
-    arms = [build_arm("pld:L=4", env), EagleArm(head.eval(), model, sampling, L=3, target=target,
+    arms = [build_arm("pld:L=4", env), EagleArm(head.eval(), model, sampling, L=3, target=target, counterfactual=True,
                                                 generator=torch.Generator().manual_seed(2)), build_arm("none", env)]
     return SpecEngine(target, arms, Verifier(sampling, generator=torch.Generator().manual_seed(1)), eos_token_ids=eos,
                       step_time=0.05)
@@ -248,13 +248,16 @@ def test_eagle_is_scored_only_in_greedy_runs(model):
     assert eng.scorer.scorable == [0, 1, 2]
 
 
-def test_eagle_counterfactual_can_be_switched_off(model, tmp_path):
+def test_eagle_counterfactual_is_opt_in(model, tmp_path):
     from decode.choose.heads import EagleHead, save_head
 
     save_head(EagleHead(model), tmp_path / "head")
     target = Target(model)
     env = ArmEnv(model, TinyTokenizer(64), GREEDY, target=target)
-    arms = [build_arm("pld:L=3", env), build_arm(f"eagle:path={tmp_path / 'head'},L=2,counterfactual=false", env)]
+    on = build_arm(f"eagle:path={tmp_path / 'head'},L=2,counterfactual=true", env)
+    tree = build_arm(f"eagle:path={tmp_path / 'head'},L=2,tree=dynamic,counterfactual=true", env)
+    assert on.greedy_counterfactual and not tree.greedy_counterfactual  # a tree is never scored
+    arms = [build_arm("pld:L=3", env), build_arm(f"eagle:path={tmp_path / 'head'},L=2", env)]
     eng = SpecEngine(target, arms, Verifier(GREEDY), step_time=0.05)
     assert eng.scorer.scorable == [0]
     gen = eng.generate(PROMPTS[0], build_policy("router", 2, eng.max_len), 16)

@@ -231,7 +231,18 @@ class CostAware(LengthController):
     the controller compares E_i / cost(i) — tokens expected from the i tokens already drafted — with the best
     E_k / cost(k) over k = i+1 … max_len (tokens beyond i at the arm's position rates a); it drafts on only
     when some longer draft pays more per step of cost on the curve. The round's recorded plan is the one it
-    finally stopped at. Deterministic arms (prompt lookup, suffix) show no distribution and keep k*."""
+    finally stopped at. Deterministic arms (prompt lookup, suffix) show no distribution and keep k*.
+
+    Tree budget (EAGLE-2's dynamic tree, ``eagle:tree=dynamic``): once the tree is drafted, its candidate nodes
+    ranked by value v (the product of the head's confidences along the node's path, EAGLE-2's estimate of the
+    path's acceptance) are cut to the n* that maximises
+
+        E[tokens | n] / (c(n + 1) + D),  E[tokens | n] = 1 + Σ_{i≤n} min(1, s·v_i)
+
+    (every prefix of the ranking is a tree: a node's value never exceeds its parent's), D = this round's
+    drafting time in steps (spent whatever n is). Σ v over the verified nodes is the expected accepted depth;
+    s calibrates it per arm on what happened, (accepted + w) / (Σ v + w) with w = ``prior_weight``
+    pseudo-observations at s = 1 (the head's confidence taken at its word until the data speak)."""
 
     name = "cost"
     uses_cost = True
@@ -260,6 +271,10 @@ class CostAware(LengthController):
         # confidence calibration: arm -> per decile [reached, accepted]; this round's confidences
         self.calib: dict[int, np.ndarray] = {}
         self.round_conf: dict[int, list[float]] = {}
+        # tree budget: arm -> [Σ v over verified nodes, Σ accepted depth]; this round's Σ v; one step in seconds
+        self.tree_stats: dict[int, list[float]] = {}
+        self.round_tree: dict[int, float] = {}
+        self.step_seconds = 0.0
 
     def use_cost(self, curve) -> None:
         self.curve = curve
@@ -311,8 +326,31 @@ class CostAware(LengthController):
                 return True, expected, cost
         return False, expected, cost
 
+    def tree_scale(self, arm: int) -> float:
+        """s: the arm's accepted depth per unit of Σ v (1 until rounds say otherwise)."""
+        expected, accepted = self.tree_stats.get(arm, (0.0, 0.0))
+        return (accepted + self.prior_weight) / (expected + self.prior_weight)
+
+    def node_budget(self, arm: int, values: list[float], context: int,
+                    draft_seconds: float) -> tuple[int, float, float, float]:
+        """(n*, E[tokens | n*], cost(n*), Σ v of the n* nodes) for tree nodes of ``values`` (sorted, best first)."""
+        one = (self.curve.seconds(1, context) if self.curve is not None else None) or self.step_seconds
+        spent = draft_seconds / one if one else 0.0
+        scale = self.tree_scale(arm)
+        best, expected = (1, 0.0, 1.0), 1.0
+        for n, v in enumerate(values, start=1):
+            expected += min(1.0, scale * v)
+            c = self._cost(n, 0.0, context) + spent
+            if n == 1 or expected / c > best[1] / best[2]:
+                best = (n, expected, c)
+        return (*best, float(sum(values[:best[0]])))
+
     def keep_going(self, arm=0, *, max_len=None, context=0):
-        k, expected, cost = self.plan(arm, max_len or 1, context)
+        # a round that may draft nothing (the budget's last token) plans exactly that: the bonus token for c(1)
+        if max_len == 0:
+            k, expected, cost = 0, 1.0, self._cost(0, 0.0, context)
+        else:
+            k, expected, cost = self.plan(arm, max_len or 1, context)
         self.plans.setdefault(arm, []).append((k, expected, cost))
         plan = [expected, cost]
         self.pending.append(plan)
@@ -324,6 +362,13 @@ class CostAware(LengthController):
             confs.append(float(row.max()))
             more, plan[0], plan[1] = self.revise(arm, confs, max_len or 1, context)
             return more
+
+        def budget(values: list[float], draft_seconds: float) -> int:
+            """A tree arm's node budget (class docstring); this round's recorded plan becomes the tree's."""
+            n, plan[0], plan[1], self.round_tree[arm] = self.node_budget(arm, values, context, draft_seconds)
+            self.plans[arm][-1] = (n, plan[0], plan[1])
+            return n
+        go.node_budget = budget
         return go
 
     def take_plans(self) -> list[tuple[float, float]]:
@@ -341,6 +386,10 @@ class CostAware(LengthController):
             reached[i] += 1
         for i in range(outcome.accepted):
             acc[i] += 1
+        if arm in self.round_tree:  # a tree round: calibrate s on its accepted depth
+            stats = self.tree_stats.setdefault(arm, [0.0, 0.0])
+            stats[0] += self.round_tree.pop(arm)
+            stats[1] += outcome.accepted
         confs = self.round_conf.pop(arm, [])
         if confs:  # the confidences seen this round: calibrate â(q) on what happened to those tokens
             table = self.calib.setdefault(arm, np.zeros((self.BINS, 2)))
@@ -350,6 +399,7 @@ class CostAware(LengthController):
     def observe_round(self, record) -> None:
         if record.drafted <= 0 or not record.step_time > 0:
             return
+        self.step_seconds = record.step_time
         n = self.draft_rounds.get(record.arm, 0) + 1
         per_token = record.draft_time / record.drafted / record.step_time
         old = self.draft_cost.get(record.arm, 0.0)

@@ -44,8 +44,8 @@ class Arm:
     # its draft is a deterministic function of the context (model-free), so what it would have yielded in
     # any round can be scored against the verified tokens without a forward (decode/choose/feedback.py)
     free_counterfactual: bool = False
-    # its greedy draft is a deterministic function of the context at a small cost of its own (the EAGLE chain: the
-    # catch-up head forward over the verified tokens it owes anyway, then L-1 head steps): scored in greedy runs
+    # its greedy draft is a deterministic function of the context at a small cost of its own (the EAGLE chain with
+    # counterfactual=true: the catch-up head forward it owes anyway, then L-1 head steps): scored in greedy runs
     greedy_counterfactual: bool = False
     last_match: int = 0  # length of the context match behind the last draft (a routing feature; 0 = none)
 

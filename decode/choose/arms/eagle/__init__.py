@@ -23,11 +23,11 @@ TREES = ("chain", "dynamic")
 @register("eagle")
 def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None,
           K: Annotated[int, Range(1)] = 1, tree: str = "chain", nodes: Annotated[int, Range(1)] = 16,
-          topk: Annotated[int, Range(1)] = 4, counterfactual: bool = True):
+          topk: Annotated[int, Range(1)] = 4, counterfactual: bool = False):
     """``eagle:path=HEAD,L=4`` a chain; ``K=k``: k i.i.d. sampled chains verified together (SpecTr k-Seq);
     ``tree=dynamic,nodes=N,topk=k``: EAGLE-2's dynamic tree (decode/choose/arms/eagle/tree.py).
-    ``counterfactual=false``: a chain is not scored when unplayed (full-information policies then learn it from
-    its plays only), saving its would-be draft's head steps each round."""
+    ``counterfactual=true``: in greedy runs a chain is scored when unplayed (full-information policies and the router
+    see its would-be draft every round), for L-1 head steps a round (chain.py: measured not to pay, so off)."""
     if tree not in TREES:
         raise UserError(f"eagle: tree must be chain (default; K=k for k sampled chains) or dynamic (EAGLE-2, "
                         f"with nodes=N,topk=k), got '{tree}'")
@@ -41,6 +41,4 @@ def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | N
         if tree == "dynamic":
             return EagleTreeArm(head, env.target_model, env.sampling, L, nodes, topk, **kw)
         return EagleChainsArm(head, env.target_model, env.sampling, L, K, **kw)
-    arm = EagleArm(head, env.target_model, env.sampling, L, **kw)
-    arm.greedy_counterfactual = counterfactual
-    return arm
+    return EagleArm(head, env.target_model, env.sampling, L, counterfactual=counterfactual, **kw)

@@ -16,11 +16,13 @@ whose selector reads them from the HiddenStates the engine hands ``observe``), s
 rows, and builds true entries from g = ``head.input_features(rows)``; draft steps feed the head's own output h
 back, exactly as the EAGLE-1 path feeds its predicted feature (the head's ``logits`` applies its norm).
 
-Counterfactual feedback (decode/choose/feedback.py): in greedy runs the chain's draft is a deterministic function
-of the context, so full-information policies and the router score it every round (``greedy_counterfactual``):
-the catch-up forward over the newly verified tokens is work the arm owes anyway, and the would-be draft adds
-L-1 head steps (timed as the round's feedback). When the arm is then played from the same context, the
-catch-up is not repeated (``_true_step`` keeps the prediction after the context).
+Counterfactual feedback (decode/choose/feedback.py; ``counterfactual=True``, off by default): in greedy runs the
+chain's draft is a deterministic function of the context, so full-information policies and the router can score
+it every round (``greedy_counterfactual``): the catch-up forward over the newly verified tokens is work the arm
+owes anyway, and the would-be draft adds L-1 head steps (timed as the round's feedback). When the arm is then
+played from the same context, the catch-up is not repeated (``_true_step`` keeps the prediction after the
+context). Not free, though: with the shipped head (L=2) and the router it measured ~10% slower per token at
+the same MAT (Spec-Bench dev 13 × 1, 96 tokens), so it is opt-in.
 
 A head saved with a draft vocabulary (decode/core/vocab.py) drafts only its tokens: logits from the [N, d]
 rows of the target's LM head cached on the head at load, mapped back to target ids before sampling.
@@ -41,12 +43,12 @@ from ..base import Arm
 class EagleArm(Arm):
     name = "eagle"
     uses_target_hidden = True
-    greedy_counterfactual = True  # a chain: deterministic in greedy (module docstring); trees set False
 
     def __init__(self, head: EagleHead, target_model, sampling: SamplingConfig, L: int = 4,
                  generator: torch.Generator | None = None, label: str | None = None, target=None,
-                 cache: str = "dynamic"):
+                 cache: str = "dynamic", counterfactual: bool = False):
         super().__init__(L)
+        self.greedy_counterfactual = bool(counterfactual)  # scored unplayed in greedy runs (module docstring)
         self.head = head.eval()
         self.target_model = target_model
         self.layers = head.target_layers

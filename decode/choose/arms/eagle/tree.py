@@ -13,13 +13,15 @@ exact in sampling mode too (recursive rejection sampling with one-hot q).
 
 Everything else (true features, the head cache holding only true entries) is the chain arm's
 (decode/choose/arms/eagle/chain.py); the tree's head-cache entries are cropped after drafting like the chain's.
-Length controllers do not apply to the dynamic tree (``keep_going`` is ignored): depth L and the node
-budget are the knobs. K chains: decode/core/tree.py ``sample_chains``, one head forward per depth.
+Length controllers do not shape the dynamic tree, except the cost controller (``--length cost``), which cuts the
+kept nodes to the budget that pays most on the verification curve (``keep_going.node_budget``,
+decode/choose/length.py ``CostAware``); depth L and ``nodes`` (the most it may keep) are the knobs. K chains: decode/core/tree.py ``sample_chains``, one head forward per depth.
 EAGLE-3 (fused) heads need nothing else: tree nodes feed the head's recurrent output back exactly as they feed
 an EAGLE-1 head's predicted feature (tests/test_eagle3.py).
 """
 from __future__ import annotations
 
+import time
 
 import torch
 
@@ -35,11 +37,11 @@ class _EagleTreeBase(EagleArm):
     the chain arm's ``_true_step``)."""
 
     name = "eagle_tree"
-    greedy_counterfactual = False  # a tree is not one chain a verified path can score
 
     def __init__(self, head, target_model, sampling, L: int = 4, **kw):
         super().__init__(head, target_model, sampling, L, **kw)
         check_tree_support(self.head.model.config)
+        self.greedy_counterfactual = False  # a tree is not one chain a verified path can score
 
     def _step_tree(self, feats: torch.Tensor, tokens: list[int], parents: list[int], prefix: int) -> torch.Tensor:
         """Feed the last len(tokens) nodes of the fed tree ``parents`` on top of ``prefix`` true entries."""
@@ -75,6 +77,9 @@ class EagleTreeArm(_EagleTreeBase):
 
     @torch.inference_mode()
     def propose(self, context, max_len, keep_going=None) -> Draft:
+        """The tree's top ``nodes`` nodes by value; with a controller that budgets nodes (``--length cost``:
+        ``keep_going.node_budget``) the best prefix of them on the device's verification curve."""
+        t0 = time.perf_counter()
         L, f = self._start(context, max_len)  # predicted feature after the context (the chain arm's first step)
         if f is None:
             return Draft.empty()
@@ -114,6 +119,9 @@ class EagleTreeArm(_EagleTreeBase):
                 layer += range(first, len(tok))
         self.cache.crop(self.entries)  # drop the tree's entries (built from predicted features)
         keep = sorted(range(len(tok)), key=lambda n: (-val[n], n))[:self.nodes]
+        budget = getattr(keep_going, "node_budget", None)
+        if budget is not None and keep:  # a prefix of the ranking is a tree (a child never outranks its parent)
+            keep = keep[:budget([val[n] for n in keep], time.perf_counter() - t0)]
         order = sorted(keep, key=lambda n: (dep[n], -val[n], n))
         new = {n: i for i, n in enumerate(order)}
         return Draft(torch.tensor([tok[n] for n in order], dtype=torch.long),
