@@ -189,6 +189,49 @@ def test_router_learns_which_arm_wins_in_which_context():
     assert pol.select() == 1
 
 
+def test_cost_aware_router_maximises_expected_tokens_per_step_of_cost():
+    """router:cost=true: argmax of E[tokens] / (c(n + 1) + n·d), n = this round's draft length (known for arms that
+    proposed) or the preset L, d = the arm's measured drafting cost per token (0 once its draft exists)."""
+    curve = {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.9, 5: 2.0}
+    pol = build_policy("router:c=0,prior=0,cost=true", 3, 4)
+    pol.use_cost(curve.__getitem__, [4, 4, 2])
+    feats = {0: (4, 3), 1: (2, 3)}  # arm 2 (neural) proposes only when played
+    for _ in range(20):  # tokens per round: arm 0 3 (a draft of 4), arm 1 2 (of 2), arm 2 3 (of 2)
+        pol.see(feats)
+        pol.select()
+        recs = {0: _rec(0, 3), 1: _rec(1, 2, L=2), 2: _rec(2, 3, L=2)}
+        for r, draft_s in zip(recs.values(), (0.001, 0.001, 0.02)):
+            r.draft_time, r.step_time = draft_s * r.drafted, 0.05
+        pol.update(2, recs[2])
+        pol.update_full(2, recs, feats)
+    assert pol.draft_cost[2] == pytest.approx(0.4)  # 0.02 s per token / 0.05 s per step
+    est = [pol.reward.lo + (pol.reward.hi - pol.reward.lo) * pol.estimate(j) for j in range(3)]
+    want = [est[0] / curve[5], est[1] / curve[3], est[2] / (curve[3] + 2 * 0.4)]
+    pol.see(feats)
+    assert [pol.score(j) for j in range(3)] == pytest.approx(want)
+    assert pol.select() == int(np.argmax(want)) == 1  # the shorter draft pays more per step on this curve
+    plain = build_policy("router:c=0,prior=0", 3, 4)  # without the curve: the most tokens per round
+    for _ in range(20):
+        plain.see(feats)
+        plain.select()
+        plain.update(2, recs[2])
+        plain.update_full(2, recs, feats)
+    plain.see(feats)
+    assert plain.select() == 0  # 3 tokens (tied with arm 2; the first wins)
+    with pytest.raises(UserError, match="reward=tokens"):
+        build_policy("router:cost=true,reward=be", 3, 4)
+
+
+def test_cost_aware_router_through_the_engine_is_lossless_and_linked_to_the_curve(model):
+    eng = _engine(model)
+    pol = build_policy("router:cost=true", len(eng.arms), eng.max_len, seed=1)
+    for prompt in PROMPTS:
+        gen = eng.generate(prompt, pol, 30)
+        assert gen.tokens == plain_greedy(model, prompt, 30)
+    assert pol._steps is not None and pol._lengths == [a.L for a in eng.arms] and eng.cost.samples() > 0
+    assert pol._steps(3) == eng.cost.steps(3, len(PROMPTS[-1]) + 30)  # c at the query's context as it grew
+
+
 def test_router_buckets():
     assert [bucket(x) for x in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 100)] == [0, 1, 2, 3, 3, 4, 4, 5, 5, 6, 6]
 

@@ -47,6 +47,21 @@ def test_a_loaded_policy_chooses_as_the_saved_one_would_have(name):
     assert _play(a, 60, np.random.default_rng(1)) == _play(b, 60, np.random.default_rng(1))
 
 
+def test_a_cost_aware_router_round_trips_without_its_runtime_links():
+    """router:cost=true holds the engine's cost curve (a runtime link, not saved) and learnt drafting costs (saved)."""
+    curve = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.6, 5: 1.7}
+    a = build_policy("router:carry=true,cost=true", K, L, seed=3)
+    a.use_cost(curve.__getitem__, [L] * K)
+    _play(a, 40, np.random.default_rng(0))
+    saved = json.loads(json.dumps(policy_state(a)))
+    assert "_steps" not in saved["attrs"] and "draft_cost" in saved["attrs"]
+    b = build_policy("router:carry=true,cost=true", K, L, seed=99)
+    load_policy_state(b, saved)
+    b.use_cost(curve.__getitem__, [L] * K)  # the engine links it again at the next query
+    assert np.array_equal(a.draft_cost, b.draft_cost)
+    assert _play(a, 60, np.random.default_rng(1)) == _play(b, 60, np.random.default_rng(1))
+
+
 def test_a_state_for_other_arms_or_another_policy_is_refused():
     a = build_policy("ucbspec:carry=true", K, L)
     _play(a, 5, np.random.default_rng(0))

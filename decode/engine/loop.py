@@ -176,8 +176,9 @@ class SpecEngine:
         length.reset()
         if length.uses_cost:
             length.use_cost(self.cost)
-            if not self.cost.samples():  # seed the curve before the first round (then every round refines it)
-                probe(self.cost, self.target, prompt_ids, range(1, self.max_len + 2), clock=self._clock)
+        if (length.uses_cost or policy.uses_cost) and not self.cost.samples():
+            # seed the curve before the first round (then every round refines it)
+            probe(self.cost, self.target, prompt_ids, range(1, self.max_len + 2), clock=self._clock)
         for arm in self.arms:
             arm.reset(prompt_ids)
         # the most the target cache will hold: every token but the last, plus one round's scored positions
@@ -185,6 +186,8 @@ class SpecEngine:
         self.target.prefill(prompt_ids, capacity=len(prompt_ids) + max_new_tokens + self.max_nodes + 1)
         state = DecodeState(prompt_ids, policy, length, max_new_tokens, ctx=list(prompt_ids), start=start,
                             pending=[] if full else None)
+        if policy.uses_cost:  # c(n) at this query's context as it grows
+            policy.use_cost(lambda n, ctx=state.ctx: self.cost.steps(n, len(ctx)), [a.L for a in self.arms])
         state.setup_time = self._clock() - start
         return state
 

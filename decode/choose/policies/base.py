@@ -34,6 +34,7 @@ class Policy:
     supports_fullinfo = False  # may take counterfactual records of unplayed arms (``fullinfo=true``)
     always_fullinfo = False  # a full-information algorithm (hedge, ...): fullinfo is always on
     needs_every_arm = False  # its update needs every arm's reward in every round (no unscored arms)
+    uses_cost = False  # wants the engine's verification cost curve (``use_cost``, called by the engine per query)
 
     def __init__(self, n_arms: int, max_len: int, seed: int = 0, reward: str | None = None, carry: bool = False,
                  fullinfo: bool | None = None):
@@ -66,6 +67,12 @@ class Policy:
     def new_query(self) -> None:
         if not self.carry:
             self.reset()
+
+    def use_cost(self, steps, lengths: list[int]) -> None:
+        """For policies with ``uses_cost``: ``steps(n)`` = c(n), the cost of scoring n positions at the query's
+        current context in one-token steps (decode/core/cost.py); ``lengths`` = every arm's preset L. Runtime
+        links, not learnt state: kept in ``_``-attributes, which a saved policy state leaves out."""
+        self._steps, self._lengths = steps, list(lengths)
 
     def select(self) -> int:
         raise NotImplementedError

@@ -11,6 +11,13 @@ is learnt under the features it had in that round, so contexts fill up at full-i
 that cannot be scored (neural) have no per-round features and are learnt from their own rounds (one
 context each).
 
+Cost-aware routing (``cost=true``; reward ``tokens``): the router picks argmax_j E_j / cost_j instead of argmax_j
+E_j, with E_j its estimate (bonus included) in tokens per round and cost_j = c(n_j + 1) + n_j·d_j in one-token
+steps: c the engine's verification cost curve at the current context (decode/core/cost.py), n_j the arm's draft
+length this round (already known for the arms that proposed before the choice, else its preset L), d_j its
+measured drafting cost per token (a running mean over its records; 0 for an arm whose draft for this round
+already exists: that cost is spent whichever arm is played).
+
 A router chooses per round, so it is not bounded by the per-prompt oracle (one arm per prompt); the
 per-round oracle (best arm every round in hindsight) bounds it. Warm start: build the policy once with
 ``carry=true`` and what it learnt on earlier prompts stays (``decode eval`` does this per method).
@@ -42,13 +49,21 @@ class Router(Policy):
     name = "router"
     always_fullinfo = True
 
-    def __init__(self, n_arms, max_len, seed=0, prior: float = 2.0, c: float = 0.1, **kw):
+    def __init__(self, n_arms, max_len, seed=0, prior: float = 2.0, c: float = 0.1, cost: bool = False, **kw):
         if prior < 0:
             raise UserError(f"router: prior must be >= 0 pseudo-observations, got {prior}")
         if c < 0:
             raise UserError(f"router: c must be >= 0, got {c}")
-        self.prior, self.c = float(prior), float(c)
+        self.prior, self.c, self.cost = float(prior), float(c), bool(cost)
+        self._steps, self._lengths = None, None
         super().__init__(n_arms, max_len, seed, **kw)
+        if self.cost and self.reward.name != "tokens":
+            raise UserError(f"router: cost=true divides expected tokens per round by their cost, so it needs "
+                            f"reward=tokens (got reward={self.reward.name})")
+
+    @property
+    def uses_cost(self) -> bool:
+        return self.cost
 
     def reset(self):
         super().reset()
@@ -56,6 +71,8 @@ class Router(Policy):
         self.ctx_sum: dict[tuple, float] = defaultdict(float)
         self.ctx_n: dict[tuple, int] = defaultdict(int)
         self.features: dict[int, tuple[int, int]] = {}
+        self.draft_cost = np.zeros(self.K)  # cost=true: drafting steps per drafted token, running mean per arm
+        self.draft_n = np.zeros(self.K, dtype=np.int64)
 
     def context(self, arm: int, features: dict | None) -> tuple:
         f = (features or {}).get(arm)
@@ -73,11 +90,32 @@ class Router(Policy):
             else arm_mean
         return mean + self.c * math.sqrt(math.log(self.t + 1) / (n + 1))
 
+    def score(self, arm: int) -> float:
+        """What ``select`` maximises: the estimate, or with ``cost=true`` expected tokens per step of cost."""
+        est = self.estimate(arm)
+        if not self.cost or self._steps is None:
+            return est
+        tokens = self.reward.lo + (self.reward.hi - self.reward.lo) * est
+        f = self.features.get(arm)
+        n = f[0] if f is not None else self._lengths[arm]
+        drafting = 0.0 if f is not None else n * self.draft_cost[arm]  # an existing draft is spent already
+        return tokens / (self._steps(n + 1) + drafting)
+
     def select(self) -> int:
         first = self.first_unobserved()
         if first is not None:
             return first
-        return int(np.argmax([self.estimate(j) for j in range(self.K)]))
+        return int(np.argmax([self.score(j) for j in range(self.K)]))
+
+    def _observe_draft(self, rec) -> None:
+        if rec.drafted > 0 and rec.step_time > 0:
+            j = rec.arm
+            self.draft_n[j] += 1
+            self.draft_cost[j] += (rec.draft_time / rec.drafted / rec.step_time - self.draft_cost[j]) / self.draft_n[j]
+
+    def update(self, arm, record):
+        super().update(arm, record)
+        self._observe_draft(record)
 
     def _learn(self, arm: int, value: float, features: dict | None) -> None:
         u = self.reward.unit(value)
@@ -94,3 +132,4 @@ class Router(Policy):
             if j != played:
                 self.n_obs[j] += 1
                 self._learn(j, self.reward(rec), features)
+                self._observe_draft(rec)

@@ -79,7 +79,8 @@ def _decode(v, into=None):
 
 def policy_state(policy) -> dict:
     """Everything ``policy`` holds, as JSON-able data (its hyper-parameters too: a load checks they agree)."""
-    return {"format": FORMAT, "policy": type(policy).__name__, "attrs": {k: _encode(v) for k, v in vars(policy).items()}}
+    return {"format": FORMAT, "policy": type(policy).__name__,
+            "attrs": {k: _encode(v) for k, v in vars(policy).items() if not k.startswith("_")}}  # _: runtime links
 
 
 def load_policy_state(policy, state: dict, source: str = "the state") -> None:
