@@ -98,6 +98,9 @@ class SpecEngine:
         self.step_time = step_time
         self.scorer = CounterfactualScorer(arms, greedy=verifier.cfg.greedy)
         self.cost = CostCurve()  # c(n): every round's verification forward is a measurement (decode/core/cost.py)
+        # seconds a live round spends outside drafting and verification (choice, feedback, bookkeeping), a running
+        # mean: part of every round's cost whatever it drafts (the cost-aware router adds it to c(n))
+        self.round_overhead = 0.0
 
     def set_sampling(self, cfg: SamplingConfig) -> None:
         """Decode the next queries under ``cfg`` (temperature, top-k, top-p): the verifier, every arm's draft
@@ -186,8 +189,9 @@ class SpecEngine:
         self.target.prefill(prompt_ids, capacity=len(prompt_ids) + max_new_tokens + self.max_nodes + 1)
         state = DecodeState(prompt_ids, policy, length, max_new_tokens, ctx=list(prompt_ids), start=start,
                             pending=[] if full else None)
-        if policy.uses_cost:  # c(n) at this query's context as it grows
-            policy.use_cost(lambda n, ctx=state.ctx: self.cost.steps(n, len(ctx)), [a.L for a in self.arms])
+        if policy.uses_cost:  # a round scoring n positions, in steps: c(n) at this query's context as it grows + overhead
+            policy.use_cost(lambda n, ctx=state.ctx: self.cost.steps(n, len(ctx)) + self.round_overhead / self.step_time,
+                            [a.L for a in self.arms])
         state.setup_time = self._clock() - start
         return state
 
@@ -271,6 +275,7 @@ class SpecEngine:
             self._deliver(state)
         t5 = self._clock()
         times.update, times.total = t5 - t4, t5 - t_start
+        self.round_overhead += 0.05 * (times.total - (t1 - t0) - (t4 - t1) - self.round_overhead)  # EMA, ~20 rounds
         state.times.append(times)
         return StepResult(i, draft, outcome, new, rec, times, hidden)
 
