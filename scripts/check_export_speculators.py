@@ -20,8 +20,7 @@ EAGLE-3 (--eagle3; venv runs/speculators-eagle3-venv): speculators 0.9.0 pins tr
 has transformers 5.19.0 and the same torch, speculators installed with --no-deps beside the packages it imports.
 The case: a tiny 4-layer Llama target, a fused EagleHead with EAGLE-3's first layer (head.layer=eagle3) and a
 draft vocabulary, written by toolkit.export_formats.speculators_eagle3_layout; speculators reads it
-with SpeculatorModel.from_pretrained, takes the embedding from the verifier (load_verifier_weights) and runs its
-own Eagle3DraftModel forward (one TTT step) on the target's fused hidden states: its draft-vocabulary logits
+with SpeculatorModel.from_pretrained (+ load_verifier_weights) and runs its own Eagle3DraftModel forward (one TTT step) on the target's fused hidden states: its draft-vocabulary logits
 must equal the head's (max |difference| <= 1e-5) and its drafted target ids (index + d2t) the head's.
 
     .venv/bin/python scripts/check_export_speculators.py --eagle3 --setup
@@ -84,7 +83,7 @@ config = SpeculatorModelConfig.from_pretrained(f"{d}/spec")
 config.transformer_layer_config._attn_implementation = "eager"  # flex attention is its GPU default
 spec = SpeculatorModel.from_pretrained(f"{d}/spec", config=config).eval()
 print(type(spec).__name__, "aux layers", spec.config.eagle_aux_hidden_state_layer_ids)
-spec.load_verifier_weights()  # embed_tokens from the verifier; lm_head stays the exported rows
+spec.load_verifier_weights()  # the verifier's LM head for its training targets; embed_tokens/lm_head stay as exported
 seen = []
 spec.lm_head.register_forward_hook(lambda module, inputs, out: seen.append(out))
 T = io["tokens"].shape[1]

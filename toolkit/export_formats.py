@@ -17,7 +17,8 @@ What each artifact kind can become (anything else is refused, never approximated
 * EAGLE-3 head (``feature_layers`` set, ``layer: eagle3``: EAGLE-3's own first layer) → ``speculators``: the
   ``speculators`` EAGLE-3 layout (``speculators_model_type: eagle3``, ``Eagle3DraftModel``; read by vLLM's
   ``eagle3`` method): ``fc`` (our ``fuse``), ``layers.0.*``, ``norm``, ``lm_head`` (the draft vocabulary's rows
-  of the target's LM head) and the draft vocabulary as speculators stores it (``d2t`` offsets, ``t2d`` mask);
+  of the target's LM head), ``embed_tokens`` (the target's) and the draft vocabulary as speculators stores it
+  (``d2t`` offsets, ``t2d`` mask);
   ``eagle_aux_hidden_state_layer_ids`` = our feature layers (both count the input of decoder layer i as i).
   Checked by reading the export back into an EagleHead (:func:`load_speculators_eagle3_export`): the same draft
   logits. A fused head with the EAGLE-1 layer (fc + the target's layer class) has no exact speculators form and
@@ -141,6 +142,15 @@ def eagle_layout(state: dict[str, torch.Tensor], target_config, folder) -> tuple
     return tensors, cfg, facts
 
 
+def _speculators_config(algorithm: str, target_config, verifier: str, num_tokens: int) -> dict:
+    """speculators' ``speculators_config``: a greedy chain of ``num_tokens`` drafts, verified by ``verifier``."""
+    return {"algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(target_config.architectures or [])}}
+
+
 def speculators_layout(state: dict[str, torch.Tensor], target_config, folder, *, verifier: str,
                        num_tokens: int) -> tuple[dict, dict, dict]:
     """(tensors, config.json, facts) of speculators' EAGLE-1 layout (EagleSpeculatorConfig, layernorms=false)."""
@@ -168,13 +178,7 @@ def speculators_layout(state: dict[str, torch.Tensor], target_config, folder, *,
         "layernorms": False,
         "fusion_bias": bias,
         "torch_dtype": "float32",
-        "speculators_config": {
-            "algorithm": "eagle",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(target_config.architectures or [])},
-        },
+        "speculators_config": _speculators_config("eagle", target_config, verifier, num_tokens),
     }
     return tensors, cfg, {"layers": 1, "passthrough_first_layer": False, "fc_bias": bias}
 
@@ -193,7 +197,10 @@ def speculators_eagle3_layout(head, target_config, folder, *, verifier: str, num
         raise UserError(f"{folder}: feature layer {n_layers} is HF's final state after the model norm, speculators' "
                         f"layer {n_layers} the one before it; export needs feature layers below {n_layers}")
     state = head.trainable_state_dict()
-    tensors = {"fc.weight": state["fuse.weight"], "norm.weight": state["norm.weight"]}
+    # the embedding too, as speculators' own checkpoints hold it: without it, speculators 0.9's from_pretrained was
+    # seen to initialise embed_tokens at random instead of leaving it for load_verifier_weights to fill
+    tensors = {"fc.weight": state["fuse.weight"], "norm.weight": state["norm.weight"],
+               "embed_tokens.weight": head.embed.weight.detach()}
     tensors.update({k[len("model."):]: v for k, v in state.items() if k.startswith(LAYER)})
     lm = head.lm_head.weight
     vocab_size = lm.shape[0]
@@ -222,13 +229,7 @@ def speculators_eagle3_layout(head, target_config, folder, *, verifier: str, num
         "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
         "torch_dtype": "float32",
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(target_config.architectures or [])},
-        },
+        "speculators_config": _speculators_config("eagle3", target_config, verifier, num_tokens),
     }
     facts = {"layers": 1, "passthrough_first_layer": False, "fc_bias": False, "eagle3": True,
              "feature_layers": list(head.feature_layers), "draft_vocab_size": draft_size}
@@ -260,6 +261,10 @@ def load_speculators_eagle3_export(folder, target) -> torch.nn.Module:
     if state["lm_head.weight"].shape != want_rows.shape or not torch.equal(state["lm_head.weight"], want_rows):
         raise UserError(f"{folder}: lm_head.weight is not the target's LM head (over the draft vocabulary); "
                         "an EagleHead drafts through the target's own")
+    embed = state.get("embed_tokens.weight")
+    if embed is not None and not torch.equal(embed, head.embed.weight):
+        raise UserError(f"{folder}: embed_tokens.weight is not the target's embedding; an EagleHead reads the "
+                        "target's own")
     mine = {"fuse.weight": state["fc.weight"], "norm.weight": state["norm.weight"]}
     mine.update({"model." + k: v for k, v in state.items() if k.startswith("layers.0.")})
     head.load_trainable_state_dict(mine)
@@ -393,7 +398,7 @@ def serving_snippets(kind: str, fmt: str, out: Path, *, target: str, source: str
         lines += ["Layout: the `speculators` library's EAGLE-3 format (`speculators_model_type: eagle3`, "
                   f"`Eagle3DraftModel`, schema of speculators {SPECULATORS_EAGLE3_SCHEMA}): `fc` fuses the target "
                   "layers `eagle_aux_hidden_state_layer_ids`, one EAGLE-3 decoder layer, `norm`, `lm_head` over the "
-                  "draft vocabulary (`d2t`/`t2d`); the embedding comes from the verifier.", ""]
+                  "draft vocabulary (`d2t`/`t2d`) and the target's embedding (`embed_tokens`).", ""]
     elif fmt == "speculators":
         lines += ["Layout: the `speculators` library's EAGLE-1 format (`speculators_model_type: eagle`, "
                   f"schema of speculators {SPECULATORS_SCHEMA}); embedding and LM head come from the verifier.", ""]
