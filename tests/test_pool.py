@@ -60,3 +60,13 @@ def test_every_budget_plans_distill_train_pool_eval(name, tmp_path):
     stages = [n for n, _ in plan("t", name, tmp_path, SUITE)]
     assert stages[-2:] == ["pool-file", "eval"] and "train:eagle" in stages
     assert sum(s.startswith("distill:") for s in stages) == len(BUDGETS[name].tasks)
+
+
+@pytest.mark.parametrize("name", list(BUDGETS))
+def test_every_stage_command_sets_each_key_once(name, tmp_path):
+    # a budget's overrides replace the shared AT_SCALE values instead of repeating the key with a second value
+    for _, argv in plan("t", name, tmp_path, SUITE):
+        keys = [a.split("=", 1)[0] for a in argv if "=" in a and not a.startswith("-")]
+        assert len(keys) == len(set(keys)), argv
+    eagle = dict(plan("t", "medium", tmp_path, SUITE))["train:eagle"]
+    assert "open_text.fraction=0.85" in eagle and "open_text.fraction=0.95" not in eagle
