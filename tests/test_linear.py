@@ -10,7 +10,7 @@ from decode.engine.loop import SpecEngine, build_engine
 from decode.common.errors import UserError
 from decode.choose.heads import EagleHead
 from decode.core.linear import (PackedLinear, onednn_linear, onednn_usable, pack_arm_linears, pack_linears,
-                           resolve_linear)
+                           probe_linear, resolve_linear)
 from decode.choose.policies import build_policy
 from decode.core.sampling import SamplingConfig
 from decode.core.target import Target
@@ -84,7 +84,8 @@ def test_compiled_graph_calls_the_packed_op():
 
 
 def test_resolve_linear_picks_or_refuses_with_the_reason():
-    assert resolve_linear("auto", "cpu", torch.float32) == "onednn"
+    assert resolve_linear("auto", "cpu", torch.float32) == "auto"  # measured once the model is loaded
+    assert resolve_linear("onednn", "cpu", torch.float32) == "onednn"
     assert resolve_linear("stock", "cpu", torch.float32) == "stock"
     assert resolve_linear("auto", "cpu", torch.float16) == "stock"  # not packable: the stock path, recorded as such
     with pytest.raises(UserError, match="dtype float16.*--linear stock"):
@@ -94,3 +95,31 @@ def test_resolve_linear_picks_or_refuses_with_the_reason():
     assert resolve_linear("auto", "cuda", torch.bfloat16) == "stock"
     with pytest.raises(UserError, match="--linear must be one of auto, onednn, stock"):
         resolve_linear("fast", "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("faster", ["stock", "onednn"])
+def test_auto_keeps_the_linears_that_measured_faster(faster, tiny_target_dir, capsys, monkeypatch):
+    model = tiny_llama(layers=2, seed=3)
+    calls = []
+
+    def measure(m, n):  # a fake clock: the chosen kind is 2 ms a position, the other 3 ms
+        packed = isinstance(m.get_output_embeddings(), PackedLinear)
+        calls.append((packed, n))
+        m(input_ids=torch.tensor([list(range(1, n + 1))]), use_cache=False)  # it still runs the model
+        return n * (0.002 if packed == (faster == "onednn") else 0.003)
+
+    kind, run_model, info = probe_linear(model, positions=(1, 3), reps=2, measure=measure)
+    assert kind == faster and info["chosen"] == faster
+    assert info["ms"][faster] == {"1": 2.0, "3": 6.0} and info["ms"]["stock" if faster == "onednn" else "onednn"]["3"] == 9.0
+    assert len(calls) == 2 * 2 * 3  # two kinds × two sizes × (warm-up + two reps), interleaved
+    assert (run_model is model) == (faster == "stock") and not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert f"--linear auto: {faster} linears" in capsys.readouterr().err
+    # through build_engine: the measured kind is recorded on the target and decoding stays exact
+    from decode.core.models import load_model
+    import decode.engine.loop as loop
+    m, tok = load_model(tiny_target_dir)
+    monkeypatch.setattr(loop, "probe_linear", lambda mm, real=loop.probe_linear: real(mm, reps=1, measure=measure))
+    eng = build_engine(m, tok, ["pld:L=2"], GREEDY, torch.Generator(), cache="dynamic", linear="auto")
+    assert eng.target.linear == faster and eng.target.linear_probe["chosen"] == faster
+    ids = tok("def add(a, b):").input_ids
+    assert eng.generate(ids, build_policy("fixed:arm=0", 1, eng.max_len), 12).tokens == plain_greedy(m, ids, 12)

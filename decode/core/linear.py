@@ -1,5 +1,6 @@
 """How the target's linear layers run: ``stock`` (``torch.nn.Linear``) or ``onednn`` (weights pre-packed once
-for oneDNN, CPU only). ``auto`` picks ``onednn`` on a CPU whose torch has oneDNN, for float32 and bfloat16.
+for oneDNN, CPU only). ``auto``, on a CPU whose torch has oneDNN (float32, bfloat16), times both on the loaded
+target and keeps the faster (:func:`probe_linear`); elsewhere it is ``stock``.
 
 Why: decoding on a CPU multiplies a few rows (1 … L+1 positions) by every weight matrix. PyTorch's CPU
 ``F.linear`` calls MKL's sgemm, which has a cliff at small row counts: on this 2-core AVX-512 machine the
@@ -17,12 +18,19 @@ new memory (about the size of the linear weights once more). Results differ from
 rounding (another summation order, ~1e-4 absolute on logits of magnitude ~20), like any change of kernel
 (scoring 4 positions already runs another sgemm path than scoring 1); greedy equality with plain
 ``generate`` is checked by the tests and by every evaluation's lossless column.
+
+Packing is not always faster: on an AMX Xeon (Sapphire Rapids class, 2 threads) the stock model stepped in
+32.5 ms and the packed one in 41.3 ms (Spec-Bench demo prompts: our autoregressive loop 0.95× against 0.79× of
+plain ``generate``). Which is faster is a property of the machine and its BLAS, so ``auto`` measures it.
 """
 from __future__ import annotations
 
 import copy
 import functools
 import itertools
+import statistics
+import sys
+import time
 import weakref
 
 import torch
@@ -103,15 +111,16 @@ def onednn_usable(device, dtype: torch.dtype) -> str | None:
 
 
 def resolve_linear(spec: str, device, dtype: torch.dtype) -> str:
-    """``auto`` → ``onednn`` where usable, else ``stock``; ``onednn`` where unusable is an error naming why.
-    Resolved before the model loads (from the run's device and dtype)."""
+    """``auto`` stays ``auto`` where packing is usable (the engine then measures both: :func:`probe_linear`),
+    else ``stock``; ``onednn`` where unusable is an error naming why. Resolved before the model loads (from
+    the run's device and dtype)."""
     if spec not in LINEAR_KINDS:
         raise UserError(f"--linear must be one of {', '.join(LINEAR_KINDS)}, got '{spec}'")
     if spec == "stock":
         return "stock"
     why = onednn_usable(device, dtype)
     if why is None:
-        return "onednn"
+        return spec
     if spec == "onednn":
         raise UserError(f"--linear onednn cannot run here: {why}; use --linear stock (or auto)")
     return "stock"
@@ -134,6 +143,38 @@ def _pack_children(module: torch.nn.Module) -> int:
     for name, child in linears:
         setattr(module, name, PackedLinear(child))
     return len(linears)
+
+
+def _time_forward(model: torch.nn.Module, positions: int) -> float:
+    """Seconds of one uncached forward over ``positions`` tokens: the rows every linear multiplies in a round."""
+    ids = torch.arange(1, positions + 1, device=next(model.parameters()).device).unsqueeze(0)
+    start = time.perf_counter()
+    model(input_ids=ids, use_cache=False)
+    return time.perf_counter() - start
+
+
+def probe_linear(model: torch.nn.Module, positions: tuple[int, ...] = (1, 3), reps: int = 5,
+                 measure=_time_forward) -> tuple[str, torch.nn.Module, dict]:
+    """``--linear auto`` on a CPU: time the stock model and its packed copy on forwards of ``positions`` tokens
+    (a one-token step and a typical verification; one warm-up, then ``reps`` rounds interleaved between the
+    two, medians) and keep the one whose summed medians are lower (ties: stock). Returns (kind, the model to
+    run, {"chosen", "ms": {kind: {positions: median ms}}}); about 1 s for the default target."""
+    models = {"stock": model, "onednn": pack_linears(model)}
+    seconds = {kind: {n: [] for n in positions} for kind in models}
+    with torch.inference_mode():
+        for rep in range(reps + 1):
+            for kind, m in models.items():
+                for n in positions:
+                    t = measure(m, n)
+                    if rep:  # the first round warms caches and oneDNN's primitive cache
+                        seconds[kind][n].append(t)
+    ms = {kind: {n: round(1e3 * statistics.median(ts), 2) for n, ts in per.items()} for kind, per in seconds.items()}
+    chosen = min(ms, key=lambda kind: (sum(ms[kind].values()), kind != "stock"))
+    print(f"--linear auto: {chosen} linears (forward of {'/'.join(map(str, positions))} positions: "
+          + ", ".join(f"{k} {'/'.join(f'{v:.1f}' for v in per.values())} ms" for k, per in ms.items()) + ")",
+          file=sys.stderr)
+    return chosen, models[chosen], {"chosen": chosen, "ms": {k: {str(n): v for n, v in per.items()}
+                                                             for k, per in ms.items()}}
 
 
 def linear_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:

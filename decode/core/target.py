@@ -286,6 +286,7 @@ class Target:
         self.compile = bool(compile)
         self.compiled = CompiledForward(model) if compile else None
         self.linear = "stock"  # how ``model``'s linears run (decode/core/linear.py); build_engine records "onednn"
+        self.linear_probe: dict | None = None  # --linear auto's measurement (build_engine), else None
         self.forwards = 0
         self.prefill_hidden: HiddenStates | None = None
         # layers of HiddenStates.extra besides the final state, in column order (d columns each); arms add

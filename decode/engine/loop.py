@@ -22,7 +22,7 @@ from ..common.device import synchronize
 from ..core.draft import RoundRecord, StepResult, StepTimes
 from ..common.errors import UserError
 from ..core.hidden import HiddenStates
-from ..core.linear import linear_model, pack_arm_linears
+from ..core.linear import linear_model, pack_arm_linears, probe_linear
 from ..choose.feedback import CounterfactualScorer, PendingRound
 from ..choose.length import LengthController
 from ..core.models import eos_token_ids
@@ -319,13 +319,18 @@ def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfi
                  cache: str, compile: bool = False, linear: str = "stock", verifier: str = "auto",
                  target_name: str = "target", trust_remote_code: bool = False, needs_hidden: bool = False) -> SpecEngine:
     """The engine a command decodes with: the target wrapper (``cache`` kind, optionally compiled, its linear
-    layers run as ``linear``: a resolved kind of decode/core/linear.py), the arm pool built from ``arm_specs``
+    layers run as ``linear``: a resolved kind of decode/core/linear.py, ``auto`` measured here), the arm pool built from ``arm_specs``
     (arms that own a cache use the same kind), the verifier and the EOS ids. ``model`` itself is not modified:
     the hf reference keeps running it, and arms that copy or load weights into target modules (EAGLE's layer,
     early-exit stacks) build on it, never on packed weights that a later ``load_state_dict`` would not reach.
     The target returns hidden states when an arm or ``needs_hidden`` (a length controller) reads them."""
-    target = Target(linear_model(model, linear), tokenizer, want_hidden=False, cache=cache, compile=compile)
-    target.linear = linear
+    probe = None
+    if linear == "auto":  # resolve_linear leaves auto where packing is usable: measure which runs faster here
+        linear, run_model, probe = probe_linear(model)
+    else:
+        run_model = linear_model(model, linear)
+    target = Target(run_model, tokenizer, want_hidden=False, cache=cache, compile=compile)
+    target.linear, target.linear_probe = linear, probe
     env = ArmEnv(model, tokenizer, sampling, generator, target_name=target_name,
                  trust_remote_code=trust_remote_code, target=target, cache=cache)
     arms = build_arms(arm_specs, env)

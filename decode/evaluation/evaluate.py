@@ -271,7 +271,8 @@ def evaluate(cfg: EvalConfig) -> int:
         header = {"format": FORMAT, "config": saved, "prompts": keys,
                   "methods": [{"name": m.name, "kind": m.kind} for m in methods], "arm_labels": labels,
                   "peer_settings": {p.name: getattr(p, "settings", {}) for p in peers},
-                  "environment": _environment(device), "compile": compile_info}
+                  "environment": _environment(device), "compile": compile_info,
+                  "linear_probe": engine.target.linear_probe}
     log = JsonlLog(cfg.records_path, keep_bytes=good_bytes if records else 0)
     try:
         if not records:

@@ -241,6 +241,8 @@ def build_report(header: dict, records: list[dict]) -> tuple[dict, str]:
     config.update(header.get("environment", {}))
     if header.get("compile"):
         config["compile_info"] = header["compile"]
+    if header.get("linear_probe"):
+        config["linear_probe"] = header["linear_probe"]
     report = {"schema_version": SCHEMA, "config": config, "complete": len(done) == len(prompts), "records": recs,
               "summary": summary, "warnings": warnings}
     table = markdown_table(summary, cats, warnings)
