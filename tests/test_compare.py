@@ -6,8 +6,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from decode.commands.cli import main
+from decode.core.linear import onednn_usable
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["eval", "--no-progress", "--policies", "ucbspec", "--categories", "code,summarization"]
@@ -54,7 +56,7 @@ def test_git_state_outside_a_checkout_is_unknown(tmp_path):
 DYNAMIC = {"summary": "<method>", "per_category": "<category>", "arm_pulls": "<arm>", "peer_settings": "<peer>",
            "draft_lengths": "<arm>"}
 FREE_FORM = ("config.peer_settings.<peer>", "summary.<method>.draft_lengths.<arm>", "cost_curve.steps",
-             "cost_curve.one_token_ms")
+             "cost_curve.one_token_ms", "config.linear_probe.ms")
 
 
 def field_paths(obj, prefix="", placeholder=None, out=None) -> set[str]:
@@ -90,8 +92,10 @@ def test_every_report_field_is_documented_and_every_documented_one_present(runs)
     assert not undocumented, f"fields of report.json missing from docs/report_schema.md: {undocumented}"
     # run A has peers, policies and an oracle: only the CUDA-only field and compile information (run A
     # compiles nothing and uses no cost controller; tests/test_evaluate.py checks a compiled run's fields) may be absent on this CPU
+    packs = onednn_usable("cpu", torch.float32) is None  # --linear auto measures only where packing runs
     expected = {p for p, present in doc.items()
-                if present not in ("on CUDA", "when anything compiled") and "--length cost" not in present}
+                if present not in ("on CUDA", "when anything compiled") and "--length cost" not in present
+                and (packs or "oneDNN packing is usable" not in present)}
     assert not expected - actual, f"documented but absent from a real report: {sorted(expected - actual)}"
     assert rep["schema_version"] in (ROOT / "docs" / "report_schema.md").read_text().splitlines()[0]
 
