@@ -63,14 +63,14 @@ AT_SCALE = ("open_text.source=sharegpt", "open_text.path=null", "open_text.fract
             "feature_cache.enabled=true", "train.batch_size=4", "train.save_steps=200", "train.logging_steps=50")
 
 
-# medium: six tasks' answers are 15% of the mix (not 5%), and more of them are trained on (12.5% of prompts held
-# out, 48 held-out examples scored instead of 24, for a steadier agreement figure)
 def _with(base: tuple[str, ...], *overrides: str) -> tuple[str, ...]:
     """``base`` with the same keys' values replaced and new keys appended (one value per key in a command)."""
     keys = {o.split("=", 1)[0] for o in overrides}
     return tuple(o for o in base if o.split("=", 1)[0] not in keys) + overrides
 
 
+# medium: six tasks' answers are 15% of the mix (not 5%), and more of them are trained on (12.5% of prompts held
+# out, 48 held-out examples scored instead of 24, for a steadier agreement figure)
 MEDIUM_MIX = _with(AT_SCALE, "open_text.fraction=0.85", "data.heldout_fraction=0.125", "data.heldout_max=48")
 
 

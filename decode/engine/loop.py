@@ -319,8 +319,8 @@ def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfi
                  cache: str, compile: bool = False, linear: str = "stock", verifier: str = "auto",
                  target_name: str = "target", trust_remote_code: bool = False, needs_hidden: bool = False) -> SpecEngine:
     """The engine a command decodes with: the target wrapper (``cache`` kind, optionally compiled, its linear
-    layers run as ``linear``: a resolved kind of decode/core/linear.py, ``auto`` measured here), the arm pool built from ``arm_specs``
-    (arms that own a cache use the same kind), the verifier and the EOS ids. ``model`` itself is not modified:
+    layers run as ``linear``: a resolved kind of decode/core/linear.py, ``auto`` measured here), the arm pool
+    built from ``arm_specs`` (arms that own a cache use the same kind), the verifier and the EOS ids. ``model`` itself is not modified:
     the hf reference keeps running it, and arms that copy or load weights into target modules (EAGLE's layer,
     early-exit stacks) build on it, never on packed weights that a later ``load_state_dict`` would not reach.
     The target returns hidden states when an arm or ``needs_hidden`` (a length controller) reads them."""
