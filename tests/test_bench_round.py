@@ -74,20 +74,23 @@ def test_bench_round_breaks_every_arm_round_into_phases(tiny_target_dir, tmp_pat
         assert (len(gen.rounds), len(gen.tokens)) == (g["rounds"], g["new_tokens"])
 
 
-def test_bench_round_compares_both_caches_side_by_side(tiny_target_dir, tmp_path, capsys, one_thread):
-    out = tmp_path / "both.json"
-    rc = _bench(tiny_target_dir, "pld:L=4;none", "code,chat", 10, out, "--cache", "both")
+def test_bench_round_compares_every_cache_kind_side_by_side(tiny_target_dir, tmp_path, capsys, one_thread):
+    out = tmp_path / "all.json"
+    rc = _bench(tiny_target_dir, "pld:L=4;none", "code,chat", 10, out, "--cache", "all")
     assert rc == 0
     rep = json.loads(out.read_text())
-    assert set(rep["arms"]) == {"pld@4 [static]", "pld@4 [dynamic]", "none [static]", "none [dynamic]"}
+    kinds = ("dynamic", "static", "prefix")
+    assert set(rep["arms"]) == {f"{a} [{c}]" for a in ("pld@4", "none") for c in kinds}
     for label in ("pld@4", "none"):
-        s, d = rep["arms"][f"{label} [static]"], rep["arms"][f"{label} [dynamic]"]
-        assert (s["rounds"], s["tokens"]) == (d["rounds"], d["tokens"])  # same decoding, only the cache differs
-        assert rep["static_over_dynamic"][label] == pytest.approx(s["tokens_per_s"] / d["tokens_per_s"])
-    assert {(g["arm"], g["cache"]) for g in rep["generations"]} == {
-        (a, c) for a in ("pld@4", "none") for c in ("static", "dynamic")}
-    assert "static ÷ dynamic" in capsys.readouterr().out
-    assert main(["bench-round", "--cache", "both", "--compile"]) == 2
+        d = rep["arms"][f"{label} [dynamic]"]
+        for c in ("static", "prefix"):
+            s = rep["arms"][f"{label} [{c}]"]
+            assert (s["rounds"], s["tokens"]) == (d["rounds"], d["tokens"])  # same decoding, only the cache differs
+            assert rep["over_dynamic"][c][label] == pytest.approx(s["tokens_per_s"] / d["tokens_per_s"])
+    assert {(g["arm"], g["cache"]) for g in rep["generations"]} == {(a, c) for a in ("pld@4", "none") for c in kinds}
+    printed = capsys.readouterr().out
+    assert "static ÷ dynamic" in printed and "prefix ÷ dynamic" in printed
+    assert main(["bench-round", "--cache", "all", "--compile"]) == 2
 
 
 def test_bench_round_bad_flags(capsys):
@@ -106,7 +109,7 @@ def test_bench_round_with_the_cost_controller_reports_its_lengths_and_plans(tiny
     plan = pld["cost_plan"]
     assert plan["expected_tokens_per_step"] > 0 and plan["realised_tokens_per_step"] > 0
     assert "tokens/step expected" in rep["table"] and sum(pld["draft_lengths"].values()) == pld["rounds"]
-    curve = rep["cost_curve"]["dynamic"]  # the run's verification curve: every round of every arm measured
+    curve = rep["cost_curve"]["prefix"]  # auto on a CPU; the run's verification curve: every round of every arm measured
     assert curve["forwards"] == sum(b["rounds"] for b in rep["arms"].values())
     assert all(row["1"] == 1.0 for row in curve["steps"].values()) and "Verification cost c(n)" in rep["table"]
     assert main(["bench-round", "--length", "costly"]) == 2

@@ -134,7 +134,7 @@ def test_probe_seeds_the_curve_without_changing_the_cache():
     assert t.cached == 3  # the prompt minus its last token, as after a prefill
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "prefix"])
 def test_engine_with_cost_controller_is_greedy_lossless_and_feeds_the_curve(cache, one_thread):
     model = tiny_llama(layers=2, seed=1)
     env = ArmEnv(model, TinyTokenizer(64), GREEDY, torch.Generator(), cache=cache)

@@ -62,7 +62,7 @@ def test_pruned_forward_is_the_models_logits_on_the_subset_and_minus_inf_elsewhe
 
 # --------------------------------------------------------------------------- greedy
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "prefix"])
 def test_pruned_drafter_arm_is_greedy_lossless_and_drafts_only_subset_tokens(cache):
     """Drafter = the target itself, its vocabulary without every other token of the target's greedy output:
     the output is still the target's greedy text, only subset tokens are drafted, and the excluded ones are

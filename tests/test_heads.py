@@ -51,7 +51,7 @@ def test_early_exit_full_depth_copy_accepts_everything(family):
         assert all(r.accepted == r.drafted == 4 for r in gen.rounds[:-1])
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "prefix"])
 @pytest.mark.parametrize("family", ["llama", "qwen"])
 @pytest.mark.parametrize("n_layers", [1, 2])
 def test_early_exit_greedy_lossless_with_rejections(family, n_layers, cache):
@@ -69,7 +69,7 @@ def test_early_exit_greedy_lossless_with_rejections(family, n_layers, cache):
     assert any(r.accepted > 0 for r in rounds)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "prefix"])
 def test_early_exit_rolled_back_cache_equals_fresh_draft(cache):
     """After rejected rounds (and rounds played by another arm), a draft from the kept cache must
     equal a draft computed from scratch on the committed context."""
@@ -101,7 +101,7 @@ def test_early_exit_defaults_and_trainable_split():
         EarlyExitDrafter(model, n_layers=20)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "prefix"])
 @pytest.mark.parametrize("family", ["llama", "qwen"])
 def test_eagle_greedy_lossless(family, cache):
     model = FAMILIES[family](layers=2, seed=1)
@@ -113,7 +113,7 @@ def test_eagle_greedy_lossless(family, cache):
         assert gen.tokens == plain_greedy(model, prompt, 30)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "prefix"])
 def test_eagle_features_are_the_targets_and_head_cache_is_true_only(cache):
     model = tiny_llama(layers=2, seed=4)
     arm = EagleArm(EagleHead(model), model, GREEDY, L=3, cache=cache)

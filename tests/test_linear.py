@@ -40,7 +40,7 @@ def test_packed_copy_shares_weights_leaves_the_stock_model_alone_and_matches_it(
     assert fast.get_output_embeddings().weight is model.get_output_embeddings().weight
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "prefix"])
 def test_greedy_through_packed_target_and_eagle_equals_plain_greedy(cache):
     model = tiny_llama(layers=2, seed=2)
     V = model.config.vocab_size

@@ -81,7 +81,7 @@ def _assert_first_two_tokens_follow_target(eng, target, cfg, prompt=(0, 2, 4), n
 # static caches (decode/core/target.py) are checked here where cheap: target + drafter; logits equal the
 # dynamic cache's within fp32 tolerance (tests/test_static_cache.py), so the rest need not repeat
 @pytest.mark.parametrize("drafter_kind,cache", [("stochastic", "dynamic"), ("stochastic", "static"),
-                                                ("one-hot", "dynamic")])
+                                                ("stochastic", "prefix"), ("one-hot", "dynamic")])
 def test_engine_first_two_tokens_follow_target(drafter_kind, cache):
     cfg = SamplingConfig(1.0)
     target = tiny_llama(vocab=V, hidden=16, layers=1, seed=4, peaked=4.0)
@@ -94,7 +94,8 @@ def test_engine_first_two_tokens_follow_target(drafter_kind, cache):
     _assert_first_two_tokens_follow_target(eng, target, cfg)
 
 
-@pytest.mark.parametrize("head_kind,cache", [("early_exit", "dynamic"), ("eagle", "dynamic"), ("eagle", "static")])
+@pytest.mark.parametrize("head_kind,cache", [("early_exit", "dynamic"), ("eagle", "dynamic"), ("eagle", "static"),
+                                                     ("eagle", "prefix")])
 def test_self_drafting_heads_first_two_tokens_follow_target(head_kind, cache):
     """The heads' drafts (q from the exit layer / EAGLE feature head) keep sampling exact."""
     from decode.choose.arms.eagle import EagleArm

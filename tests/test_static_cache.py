@@ -1,6 +1,6 @@
-"""Static KV caches (decode/core/target.py KVCache): pointer rollback never reads stale entries, static and
-dynamic caches give the same logits, capacity rules, and greedy losslessness of every arm kind on
-both cache kinds."""
+"""Pre-allocated KV caches (decode/core/target.py KVCache, kinds static and prefix): pointer rollback never reads
+stale entries, every kind gives the dynamic cache's logits (prefix: bit for bit), capacity rules, and greedy
+losslessness of every arm kind on every cache kind."""
 import os
 
 import pytest
@@ -21,7 +21,8 @@ from decode.core.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama, tiny_qwen
 
 GREEDY = SamplingConfig()
-KINDS = ["dynamic", "static"]
+KINDS = ["dynamic", "static", "prefix"]
+PREALLOCATED = ["static", "prefix"]
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [5]]
 
 
@@ -37,18 +38,20 @@ def _fresh(model, ids, n):
     return out.logits[0, -n:].float(), out.hidden_states[-1][0, -n:]
 
 
-def test_stale_entries_beyond_the_pointer_are_never_read():
+@pytest.mark.parametrize("kind", PREALLOCATED)
+def test_stale_entries_beyond_the_pointer_are_never_read(kind):
     """Score a draft, roll back to fewer tokens, score a different (shorter) draft: every logit equals
     a fresh no-cache computation, although slots past the pointer still hold the rejected draft."""
     model = tiny_llama(seed=1)
-    t = Target(model, cache="static", want_hidden=True)
+    t = Target(model, cache=kind, want_hidden=True)
     ctx = [3, 1, 4, 1, 5, 9, 2, 6]
     t.prefill(ctx, capacity=64)
     t.score(ctx[-1], torch.tensor([10, 11, 12, 13, 14, 15]))
     layer = t.cache.layers[0]
     written = layer.keys[0, :, len(ctx) + 5].clone()
     t.rollback(len(ctx))  # no draft token accepted; the context becomes ctx + [10]
-    assert t.cached == len(ctx) and int(layer.cumulative_length) == len(ctx)
+    pointer = layer.filled if kind == "prefix" else int(layer.cumulative_length)
+    assert t.cached == len(ctx) and pointer == len(ctx)
     assert torch.equal(layer.keys[0, :, len(ctx) + 5], written)  # nothing was cleared: a pointer moved
     ctx2 = ctx + [10]
     r = t.score(ctx2[-1], torch.tensor([20, 21]))
@@ -68,7 +71,7 @@ def test_stale_entries_beyond_the_pointer_are_never_read():
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen], ids=["llama", "qwen"])
-def test_static_and_dynamic_give_the_same_logits_round_after_round(make):
+def test_every_cache_kind_gives_the_same_logits_round_after_round(make):
     model = make(seed=2)
     ts = {k: Target(model, cache=k, want_hidden=True) for k in KINDS}
     g = torch.Generator().manual_seed(0)
@@ -83,20 +86,25 @@ def test_static_and_dynamic_give_the_same_logits_round_after_round(make):
         rs = {k: t.score(ctx[-1], draft) for k, t in ts.items()}
         torch.testing.assert_close(rs["static"].logits, rs["dynamic"].logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(rs["static"].hidden.final, rs["dynamic"].hidden.final, atol=1e-5, rtol=1e-5)
+        # prefix: the same attention inputs as dynamic (views of the filled prefix), so the same bits
+        assert torch.equal(rs["prefix"].logits, rs["dynamic"].logits)
+        assert torch.equal(rs["prefix"].hidden.final, rs["dynamic"].hidden.final)
         acc = int(torch.randint(0, L + 1, (1,), generator=g))
         new = draft[:acc].tolist() + [int(rs["dynamic"].logits[acc].argmax())]
         n = len(ctx)
         for t in ts.values():
             t.rollback(n + acc)
         ctx += new
-        assert ts["static"].cached == ts["dynamic"].cached == int(ts["dynamic"].cache.get_seq_length()) == len(ctx) - 1
+        assert all(t.cached == len(ctx) - 1 for t in ts.values())
+        assert int(ts["dynamic"].cache.get_seq_length()) == ts["prefix"].cache.get_seq_length() == len(ctx) - 1
     torch.testing.assert_close(rs["static"].logits, _fresh(model, ctx[:n] + draft.tolist(), len(draft) + 1)[0],
                                atol=1e-5, rtol=1e-5)
 
 
-def test_capacity_fixed_allocation_is_a_hard_limit_with_clear_errors():
+@pytest.mark.parametrize("kind", PREALLOCATED)
+def test_capacity_fixed_allocation_is_a_hard_limit_with_clear_errors(kind):
     model = tiny_llama(seed=1)
-    t = Target(model, cache="static", max_cache_len=16)
+    t = Target(model, cache=kind, max_cache_len=16)
     with pytest.raises(UserError, match=r"needs a KV cache of 20 tokens but max_cache_len is 16"):
         t.prefill(list(range(10)), capacity=20)
     t.prefill(list(range(10)))  # undeclared capacity: fine until the context overflows
@@ -105,20 +113,23 @@ def test_capacity_fixed_allocation_is_a_hard_limit_with_clear_errors():
     t.rollback(12)
     with pytest.raises(UserError, match=r"reached 17 tokens .* max_cache_len=16"):
         t.score(5, torch.tensor([1, 2, 3, 4]))
-    t2 = Target(model, cache="static", max_cache_len=16)
+    t2 = Target(model, cache=kind, max_cache_len=16)
     t2.prefill(list(range(10)), capacity=16)  # exactly the limit is fine
     assert t2.kv.allocations == 1
     with pytest.raises(UserError, match="max_cache_len must be >= 1"):
         Target(model, cache="static", max_cache_len=0)
-    with pytest.raises(UserError, match="cache must be one of dynamic, static"):
+    with pytest.raises(UserError, match="cache must be one of dynamic, static, prefix"):
         Target(model, cache="paged")
     with pytest.raises(UserError, match="compile=True needs cache=static"):
         Target(model, compile=True)
+    with pytest.raises(UserError, match="compile=True needs cache=static .a prefix cache changes shape"):
+        Target(model, cache="prefix", compile=True)
 
 
-def test_capacity_grows_by_reallocation_keeping_the_prefix():
+@pytest.mark.parametrize("kind", PREALLOCATED)
+def test_capacity_grows_by_reallocation_keeping_the_prefix(kind):
     model = tiny_llama(seed=1)
-    t = Target(model, cache="static")
+    t = Target(model, cache=kind)
     prompt = list(range(1, 40))
     t.prefill(prompt, capacity=40)
     assert t.kv.capacity == 256 and t.kv.allocations == 1
@@ -133,12 +144,13 @@ def test_capacity_grows_by_reallocation_keeping_the_prefix():
     assert t.kv.allocations == 2
 
 
-def test_static_cache_refuses_sliding_window_layers():
+@pytest.mark.parametrize("kind", PREALLOCATED)
+def test_preallocated_caches_refuse_sliding_window_layers(kind):
     cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
                       max_window_layers=0, layer_types=["sliding_attention"] * 2)
-    kv = KVCache(cfg, "static")
-    with pytest.raises(UserError, match="sliding-window .* use cache=dynamic"):
+    kv = KVCache(cfg, kind)
+    with pytest.raises(UserError, match=f"cache={kind} supports full-attention .*sliding-window .* use cache=dynamic"):
         kv.start(10)
 
 
@@ -147,12 +159,13 @@ def test_static_cache_uses_the_models_dtype():
     ts = {k: Target(model, cache=k) for k in KINDS}
     for t in ts.values():
         t.prefill([3, 1, 4, 1, 5])
-    assert ts["static"].cache.layers[0].keys.dtype == torch.bfloat16
-    a, b = (ts[k].score(5, torch.tensor([9, 2, 6])).logits for k in KINDS)
+    assert ts["static"].cache.layers[0].keys.dtype == ts["prefix"].cache.layers[0].keys.dtype == torch.bfloat16
+    a, b, c = (ts[k].score(5, torch.tensor([9, 2, 6])).logits for k in KINDS)
     torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+    assert torch.equal(a, c)
 
 
-# --------------------------------------------------------------------------- every arm kind, both caches
+# --------------------------------------------------------------------------- every arm kind, every cache
 
 def _heads(model):
     ee = EarlyExitDrafter(model, n_layers=1)
@@ -186,7 +199,7 @@ def _all_arms_engine(model, heads_dir, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_arm_kind_is_greedy_lossless_on_both_caches(saved_heads, kind):
+def test_every_arm_kind_is_greedy_lossless_on_every_cache(saved_heads, kind):
     model, d = saved_heads
     eng = _all_arms_engine(model, d, kind)
     owners = [a for a in eng.arms if hasattr(a, "cache")]
@@ -204,7 +217,7 @@ def test_every_arm_kind_is_greedy_lossless_on_both_caches(saved_heads, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_full_depth_early_exit_accepts_everything_on_both_caches(kind):
+def test_full_depth_early_exit_accepts_everything_on_every_cache(kind):
     """Exit layer = copy of the last layer over all other layers: the drafter is the target."""
     model = tiny_qwen(layers=3, seed=1)
     target = Target(model, cache=kind, want_hidden=True)
@@ -216,8 +229,8 @@ def test_full_depth_early_exit_accepts_everything_on_both_caches(kind):
         assert all(r.accepted == r.drafted == 4 for r in gen.rounds[:-1])
 
 
-def test_arm_caches_static_equal_dynamic_drafts():
-    """Same rounds on both cache kinds: the drafts and their distributions agree (fp32 tolerance)."""
+def test_arm_caches_give_the_dynamic_caches_drafts():
+    """Same rounds on every cache kind: the drafts and their distributions agree (fp32 tolerance)."""
     model = tiny_llama(layers=3, seed=1)
     ee, eagle = _heads(model)
     out = {}
@@ -230,9 +243,10 @@ def test_arm_caches_static_equal_dynamic_drafts():
         gen = eng.generate(PROMPTS[0], build_policy("random", 3, 4, seed=1), 30)
         ctx = PROMPTS[0] + gen.tokens
         out[kind] = [a.propose(ctx, 4) for a in arms]
-    for a, b in zip(out["static"], out["dynamic"]):
-        assert a.tokens.tolist() == b.tokens.tolist()
-        torch.testing.assert_close(a.q, b.q, atol=1e-5, rtol=1e-5)
+    for kind in PREALLOCATED:
+        for a, b in zip(out[kind], out["dynamic"]):
+            assert a.tokens.tolist() == b.tokens.tolist()
+            torch.testing.assert_close(a.q, b.q, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow  # inductor compiles three small graphs on a CPU
@@ -268,8 +282,24 @@ def test_compiled_verification_forward_matches_eager_with_one_graph_per_size(tmp
     assert comp.compiled.graphs == 3
 
 
-def test_auto_cache_is_static_on_cuda_or_compiled_and_dynamic_on_a_cpu():
+def test_auto_cache_is_static_on_cuda_or_compiled_and_prefix_on_a_cpu():
     from decode.core.target import auto_cache_kind
-    assert auto_cache_kind("cpu") == "dynamic"  # measured 7% slower static on this CPU (bench-round --cache both)
+    assert auto_cache_kind("cpu") == "prefix"  # measured fastest on a CPU (bench-round --cache all)
     assert auto_cache_kind("cpu", compile=True) == "static"
     assert auto_cache_kind(torch.device("cuda")) == "static"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_runs_the_lm_head_on_the_last_position_only(kind):
+    """A prefill needs no logits (the first round scores the last prompt token itself): the LM head multiplies
+    one row, not one per prompt token, and the cached prefix still equals a fresh computation."""
+    model = tiny_llama(seed=1)
+    rows = []
+    model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
+    t = Target(model, cache=kind, want_hidden=True)
+    ctx = list(range(1, 30))
+    t.prefill(ctx)
+    assert rows == [1] and t.prefill_hidden.final.shape[0] == len(ctx) - 1
+    r = t.score(ctx[-1], torch.tensor([3, 4]))
+    assert rows[-1] == 3
+    torch.testing.assert_close(r.logits, _fresh(model, ctx + [3, 4], 3)[0], atol=1e-5, rtol=1e-5)

@@ -106,7 +106,7 @@ def _check_tree_forward(model, target, chains, atol):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "prefix"])
 def test_tree_forward_equals_separate_chain_forwards_then_compacts(kind, attn):
     model = tiny_llama(seed=1)
     model.config._attn_implementation = attn
@@ -166,7 +166,7 @@ def _greedy_tree_decode(model, prompt, n, kind, chains_for):
     return ctx[len(prompt):len(prompt) + n], accepted
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "prefix"])
 def test_greedy_tree_decoding_equals_plain_greedy(kind):
     model = tiny_llama(seed=2, peaked=4.0)
     prompt, n = [1, 2, 3, 4, 5, 1, 2, 3], 24

@@ -71,7 +71,7 @@ def test_union_merges_its_arms_chains_into_one_tree():
 
 # -------------------------------------------------------------------------------------- drafter, K > 1
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "prefix"])
 def test_drafter_k_chains_carry_exact_distributions_and_leave_the_cache_clean(kind):
     dm = tiny_llama(seed=5, peaked=3.0)
     cfg = SamplingConfig(1.0)
@@ -92,7 +92,7 @@ def test_drafter_k_chains_carry_exact_distributions_and_leave_the_cache_clean(ki
 
 # ------------------------------------------------------------------------------------ through the engine
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "prefix"])
 def test_greedy_tree_arms_equal_plain_greedy(cache):
     model = tiny_llama(seed=1)
     t = Target(model, cache=cache, want_hidden=True)
@@ -156,7 +156,7 @@ def _eagle_head(model):
     return head
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "prefix"])
 def test_eagle_tree_holds_the_chain_arms_draft_and_respects_its_budget(kind):
     """The tree's best-child path is the chain arm's greedy draft (so the head's tree forward — mask,
     positions, features — computes what the chain computes), at most ``nodes`` nodes, and the head cache
@@ -197,7 +197,7 @@ def test_union_greedy_equals_hf_generate_on_the_default_target(smol):
     assert gen.tokens == plain_greedy(model, ids, 24, {tok.eos_token_id})
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "prefix"])
 def test_eagle_k_chains_follow_the_head(kind):
     """Greedy: the K chains coincide with the chain arm's draft and distributions (through the tree feed);
     sampling: K chains with chain_ends, the head cache back to its true entries."""

@@ -9,9 +9,9 @@ time is the generation's wall time minus its setup (resets + prefill), divided b
 is that minus the measured phases. "outside" = everything but the target forward and the drafting
 (issue 12 aims below 3% of a round). A warm-up generation per arm runs first and is not counted.
 
-``--cache both`` runs every arm on a static-cache and a dynamic-cache engine in one process,
+``--cache all`` runs every arm on an engine per cache kind (dynamic, static, prefix) in one process,
 interleaved per prompt (the same model; each engine has its own target cache and arm caches), and
-adds the static ÷ dynamic tokens/s ratio per arm: a ratio measured side by side, not across runs.
+adds each kind's tokens/s ÷ dynamic's per arm: ratios measured side by side, not across runs.
 """
 from __future__ import annotations
 
@@ -60,9 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help=f"{DEVICES} (default: %(default)s)")
     p.add_argument("--dtype", default="auto", help=f"auto|{'|'.join(DTYPES)} (default: %(default)s)")
     p.add_argument("--verifier", default="auto", choices=BACKENDS)
-    p.add_argument("--cache", default="auto", choices=("auto", *CACHE_KINDS, "both"),
+    p.add_argument("--cache", default="auto", choices=("auto", *CACHE_KINDS, "all"),
                    help="KV cache of the target and of the arms that own one; auto = static on CUDA or with "
-                        "--compile, dynamic on a CPU; 'both' compares them side by side (default: %(default)s)")
+                        "--compile, prefix on a CPU; 'all' compares every kind side by side (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's verification forward (needs --cache static)")
     p.add_argument("--linear", choices=LINEAR_KINDS, default="auto",
@@ -137,8 +137,8 @@ def run(args) -> int:
     if not specs:
         raise UserError("no arms: pass --arms (e.g. 'pld:L=4;suffix:L=6;none')")
     probe_length = build_length(args.length, 0)  # a bad --length spec fails here, before the model loads
-    if args.compile and args.cache not in ("static", "auto"):  # also refuses 'both': compile would favour one side
-        raise UserError("--compile needs --cache static (a dynamic cache changes shape every round)")
+    if args.compile and args.cache not in ("static", "auto"):  # also refuses 'all': compile would favour one side
+        raise UserError(f"--compile needs --cache static (a {args.cache} cache changes shape every round)")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     linear = resolve_linear(args.linear, device, dtype)
@@ -153,7 +153,7 @@ def run(args) -> int:
     sampling = SamplingConfig()
     gen = torch.Generator().manual_seed(0)
     cache = auto_cache_kind(device, args.compile) if args.cache == "auto" else args.cache
-    caches = CACHE_KINDS if cache == "both" else (cache,)
+    caches = CACHE_KINDS if cache == "all" else (cache,)
     engines = {c: build_engine(model, tok, specs, sampling, gen, cache=c, compile=args.compile, linear=linear,
                                verifier=args.verifier,
                                target_name=args.target, trust_remote_code=args.trust_remote_code,
@@ -185,25 +185,28 @@ def run(args) -> int:
                             "new_tokens": len(g.tokens), "wall_time": g.wall_time, "setup_time": g.setup_time})
             bar.update()
     bar.close()
-    both = len(caches) > 1
-    result = {(f"{labels[i]} [{c}]" if both else labels[i]): breakdown(gens[(c, i)], plans[(c, i)]) for c, i in runs}
-    ratios = ({labels[i]: result[f"{labels[i]} [static]"]["tokens_per_s"] / result[f"{labels[i]} [dynamic]"]["tokens_per_s"]
-               for i in range(K)} if both else None)
+    several = len(caches) > 1
+    result = {(f"{labels[i]} [{c}]" if several else labels[i]): breakdown(gens[(c, i)], plans[(c, i)]) for c, i in runs}
+    others = [c for c in caches if c != "dynamic"]
+    ratios = ({c: {labels[i]: result[f"{labels[i]} [{c}]"]["tokens_per_s"] / result[f"{labels[i]} [dynamic]"]["tokens_per_s"]
+                   for i in range(K)} for c in others} if several else None)
     table = markdown_table(result)
     if ratios:
-        table += ("\n\n| arm | static ÷ dynamic tokens/s |\n|---|---|\n"
-                  + "\n".join(f"| {k} | {v:.3f} |" for k, v in ratios.items()))
+        table += ("\n\n| arm | " + " | ".join(f"{c} ÷ dynamic tokens/s" for c in others) + " |\n|---|"
+                  + "---|" * len(others) + "\n"
+                  + "\n".join(f"| {labels[i]} | " + " | ".join(f"{ratios[c][labels[i]]:.3f}" for c in others) + " |"
+                              for i in range(K)))
     curves = {c: curve_summary(f for (cc, _), gs in gens.items() if cc == c for g in gs
                                for f in verification_forwards(g.prompt_len, g.rounds, g.step_times)) for c in caches}
     for c, curve in curves.items():  # the device's verification curve over this run (per cache: shapes differ)
         if curve is not None:
-            table += (f"\n\nVerification cost c(n){f' [{c}]' if both else ''} (one-token steps, medians of "
+            table += (f"\n\nVerification cost c(n){f' [{c}]' if several else ''} (one-token steps, medians of "
                       f"{curve['forwards']} forwards):\n\n" + markdown_curve(curve))
     print(table)
     compiled = (f" + compile ({sum(i['seconds'] for i in compile_info.values() if i):.0f} s of compiling before the "
                 f"run)" if args.compile else "")
     print(f"\n{len(encoded)} prompt(s) x {args.max_new_tokens} new tokens, {device}/{dtype_name(dtype)}, "
-          f"{torch.get_num_threads()} thread(s), {'static and dynamic' if both else cache} cache, {linear} linears{compiled}; outside = verify + rollback + "
+          f"{torch.get_num_threads()} thread(s), {'every' if several else cache} cache, {linear} linears{compiled}; outside = verify + rollback + "
           "bookkeeping + other (draft includes model-free lookups)")
     if out is not None:
         report = {"config": {k: v for k, v in vars(args).items() if k != "func"} | {
@@ -212,7 +215,7 @@ def run(args) -> int:
                       "step_time": {c: e.step_time for c, e in engines.items()}, "compile": compile_info,
                       "torch": torch.__version__,
                       "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
-                  "arms": result, "static_over_dynamic": ratios, "cost_curve": curves, "generations": per_gen, "table": table}
+                  "arms": result, "over_dynamic": ratios, "cost_curve": curves, "generations": per_gen, "table": table}
         atomic_write_json(out, report)
         atomic_write_text(out.with_suffix(".md"), table + "\n")
         print(f"report: {out}")

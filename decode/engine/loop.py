@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..choose.arms.base import Arm, ArmEnv, build_arms
+from ..core.attention import gqa_attention_model
 from ..core.cost import CostCurve, probe
 from ..common.device import synchronize
 from ..core.draft import RoundRecord, StepResult, StepTimes
@@ -319,7 +320,8 @@ def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfi
                  cache: str, compile: bool = False, linear: str = "stock", verifier: str = "auto",
                  target_name: str = "target", trust_remote_code: bool = False, needs_hidden: bool = False) -> SpecEngine:
     """The engine a command decodes with: the target wrapper (``cache`` kind, optionally compiled, its linear
-    layers run as ``linear``: a resolved kind of decode/core/linear.py, ``auto`` measured here), the arm pool
+    layers run as ``linear``: a resolved kind of decode/core/linear.py, ``auto`` measured here; on a CPU its
+    grouped-query attention reads the cache's heads as they are: decode/core/attention.py), the arm pool
     built from ``arm_specs`` (arms that own a cache use the same kind), the verifier and the EOS ids. ``model`` itself is not modified:
     the hf reference keeps running it, and arms that copy or load weights into target modules (EAGLE's layer,
     early-exit stacks) build on it, never on packed weights that a later ``load_state_dict`` would not reach.
@@ -329,6 +331,8 @@ def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfi
         linear, run_model, probe = probe_linear(model)
     else:
         run_model = linear_model(model, linear)
+    # grouped-query attention without repeating the cache's heads (CPU; decode/core/attention.py)
+    run_model = gqa_attention_model(run_model, in_place=run_model is not model)
     target = Target(run_model, tokenizer, want_hidden=False, cache=cache, compile=compile)
     target.linear, target.linear_probe = linear, probe
     env = ArmEnv(model, tokenizer, sampling, generator, target_name=target_name,

@@ -20,7 +20,7 @@ from ..core.models import DEFAULT_TARGET
 from ..common.specs import parse_spec, split_specs
 
 MAX_SEED = 2**32 - 1
-CACHES = ("dynamic", "static")
+CACHES = ("dynamic", "static", "prefix")
 # fields that do not change any record, so a resumed run may differ in them; for --suite and --pool what
 # they hold is compared instead of their paths (the prompts' ids and text digests, the arm specs)
 NOT_RESULTS = ("out", "record_traces", "no_progress", "no_plots", "fresh", "suite", "pool")
@@ -48,7 +48,7 @@ def report_path(records: str | os.PathLike) -> Path:
 
 
 def resolve_cache(spec: str | None, device, compile: bool) -> str:
-    """None/auto → decode/core/target.py auto_cache_kind (static on CUDA or with --compile, else dynamic)."""
+    """None/auto → decode/core/target.py auto_cache_kind (static on CUDA or with --compile, else prefix)."""
     if spec in (None, "auto"):
         from ..core.target import auto_cache_kind
         return auto_cache_kind(device, compile)
@@ -70,8 +70,9 @@ def add_decoding_arguments(p) -> None:
     p.add_argument("--dtype", default="auto", help=f"auto|{'|'.join(DTYPES)} (auto = bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--cache", choices=("auto", *CACHES), default="auto",
                    help="KV cache of the target and of the arms that own one: static (pre-allocated, rollback moves a "
-                        "length pointer), dynamic (grows and is cropped), or auto (default: static on CUDA or with "
-                        "--compile, dynamic on a CPU, where static measured 7%% slower)")
+                        "length pointer, attention spans the allocation), prefix (pre-allocated, attention spans the "
+                        "filled prefix; eager only), dynamic (grows by concatenation and is cropped), or auto "
+                        "(default: static on CUDA or with --compile, prefix on a CPU, where it measured fastest)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's verification forward (needs the static cache)")
     p.add_argument("--linear", choices=LINEAR_KINDS, default="auto",
@@ -131,7 +132,7 @@ class EvalConfig:
     verifier: str = "auto"
     device: str = "cpu"  # resolved (auto → cuda or cpu)
     dtype: str = "float32"  # resolved (auto → bfloat16 on CUDA, float32 on CPU)
-    cache: str = "static"  # dynamic | static
+    cache: str = "static"  # dynamic | static | prefix
     compile: bool = False
     linear: str = "stock"  # resolved (auto → onednn on a CPU, stock elsewhere): decode/core/linear.py
     # outputs and presentation (NOT_RESULTS)
@@ -169,7 +170,7 @@ class EvalConfig:
         cfg.linear = resolve_linear(a.get("linear") or "auto", device, dtype)
         cfg.cache = resolve_cache(a.get("cache"), device, cfg.compile)
         if cfg.compile and cfg.cache != "static":
-            raise UserError("--compile needs --cache static (a dynamic cache changes shape every round)")
+            raise UserError(f"--compile needs --cache static (a {cfg.cache} cache changes shape every round)")
         return cfg
 
     def check_ranges(self) -> None:

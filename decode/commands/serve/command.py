@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help=f"{DEVICES} (auto = cuda when available, else cpu)")
     p.add_argument("--dtype", default="auto", help=f"auto|{'|'.join(DTYPES)} (auto = bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--cache", choices=("auto", *CACHES), default="auto",
-                   help="KV cache kind (auto: static on CUDA or with --compile, dynamic on a CPU)")
+                   help="KV cache kind (auto: static on CUDA or with --compile, prefix on a CPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile the verification forward (static cache)")
     p.add_argument("--linear", choices=LINEAR_KINDS, default="auto", help="as in `decode eval` (default: %(default)s)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")

@@ -1,0 +1,101 @@
+"""Grouped-query attention without repeated cache heads (decode/core/attention.py): the run model is a copy that
+shares every weight, the reference model is untouched, the masked forwards really pass grouped heads to SDPA,
+and logits and greedy decoding are the stock model's."""
+import pytest
+import torch
+
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.policies import build_policy
+from decode.core.attention import NAME, gqa_attention_model
+from decode.core.sampling import SamplingConfig
+from decode.core.target import Target
+from decode.core.verify import Verifier
+from decode.engine.loop import SpecEngine, build_engine
+from helpers import TinyTokenizer, plain_greedy, tiny_llama, tiny_qwen
+
+GREEDY = SamplingConfig()
+
+
+@pytest.fixture(autouse=True)
+def _threads(one_thread):
+    yield
+
+
+def _sdpa_calls(monkeypatch):
+    """Record, for every SDPA call, whether it got a mask and whether its keys had fewer heads than its queries."""
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, *args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is not None, key.shape[1] < query.shape[1]))
+        return real(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_the_run_model_is_a_weight_sharing_copy_and_the_reference_is_untouched():
+    model = tiny_llama(seed=1)
+    fast = gqa_attention_model(model)
+    assert fast is not model
+    assert model.config._attn_implementation == "sdpa" and fast.config._attn_implementation == NAME
+    assert all(a is b for a, b in zip(model.parameters(), fast.parameters()))
+    same = gqa_attention_model(fast, in_place=True)
+    assert same is fast
+
+
+@pytest.mark.parametrize("why", ["eager", "no-groups"])
+def test_models_it_does_not_help_are_returned_as_they_are(why):
+    model = tiny_llama(seed=1)
+    if why == "eager":
+        model.config._attn_implementation = "eager"
+    else:
+        model.config.num_key_value_heads = model.config.num_attention_heads
+    assert gqa_attention_model(model) is model
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen], ids=["llama", "qwen"])
+@pytest.mark.parametrize("kind", ["dynamic", "prefix"])
+def test_masked_verification_forwards_pass_grouped_heads_and_match_the_stock_logits(make, kind, monkeypatch):
+    model = make(seed=2)
+    ref, fast = Target(model, cache=kind), Target(gqa_attention_model(model), cache=kind)
+    ctx = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    for t in (ref, fast):
+        t.prefill(ctx)
+    calls = _sdpa_calls(monkeypatch)
+    for draft in ([], [7, 8], [1, 2, 3, 4]):
+        n = len(calls)
+        a = ref.score(ctx[-1], torch.tensor(draft, dtype=torch.long)).logits
+        ref_calls = calls[n:]
+        n = len(calls)
+        b = fast.score(ctx[-1], torch.tensor(draft, dtype=torch.long)).logits
+        fast_calls = calls[n:]
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        if draft:  # several positions at an offset: a causal mask; stock repeats the heads, ours does not
+            assert ref_calls and all(masked and not grouped for masked, grouped in ref_calls)
+            assert fast_calls and all(masked and grouped for masked, grouped in fast_calls)
+        for t in (ref, fast):
+            t.rollback(len(ctx) - 1)
+
+
+def test_engine_decodes_plain_greedy_through_it_and_hf_keeps_stock_attention():
+    model = tiny_llama(seed=3)
+    eng = build_engine(model, TinyTokenizer(64), ["pld:L=4,n=1", "suffix:L=3,min_match=1"], GREEDY,
+                       torch.Generator().manual_seed(0), cache="prefix", linear="stock")
+    assert eng.target.model.config._attn_implementation == NAME and model.config._attn_implementation == "sdpa"
+    for prompt in ([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [5]):
+        for arm in range(2):
+            gen = eng.generate(prompt, build_policy(f"fixed:arm={arm}", 2, eng.max_len), 30)
+            assert gen.tokens == plain_greedy(model, prompt, 30)
+            assert any(r.drafted > 0 for r in gen.rounds)
+
+
+def test_tree_drafts_through_it_decode_plain_greedy():
+    model = tiny_llama(seed=4)
+    fast = Target(gqa_attention_model(model), cache="prefix")
+    arm = build_arm("union:arms=pld:L=2+suffix:L=3,nodes=8", ArmEnv(model, TinyTokenizer(64), GREEDY))
+    eng = SpecEngine(fast, [arm], Verifier(GREEDY), step_time=1.0)
+    for prompt in ([1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2], [7, 9, 11, 7, 9, 11, 7]):
+        gen = eng.generate(prompt, build_policy("fixed", 1, eng.max_len), 24)
+        assert gen.tokens == plain_greedy(model, prompt, 24)
+        assert any(r.drafted > 1 for r in gen.rounds)
