@@ -111,6 +111,7 @@ def test_auto_keeps_the_linears_that_measured_faster(faster, tiny_target_dir, ca
     kind, run_model, info = probe_linear(model, positions=(1, 3), reps=2, measure=measure)
     assert kind == faster and info["chosen"] == faster
     assert info["ms"][faster] == {"1": 2.0, "3": 6.0} and info["ms"]["stock" if faster == "onednn" else "onednn"]["3"] == 9.0
+    assert info["packed_from"] == (1 if faster == "onednn" else None)
     assert len(calls) == 2 * 2 * 3  # two kinds × two sizes × (warm-up + two reps), interleaved
     assert (run_model is model) == (faster == "stock") and not any(isinstance(m, PackedLinear) for m in model.modules())
     assert f"--linear auto: {faster} linears" in capsys.readouterr().err
@@ -123,3 +124,33 @@ def test_auto_keeps_the_linears_that_measured_faster(faster, tiny_target_dir, ca
     assert eng.target.linear == faster and eng.target.linear_probe["chosen"] == faster
     ids = tok("def add(a, b):").input_ids
     assert eng.generate(ids, build_policy("fixed:arm=0", 1, eng.max_len), 12).tokens == plain_greedy(m, ids, 12)
+
+
+def test_auto_packs_from_the_size_where_packing_starts_to_pay(capsys):
+    """Stock faster for 1-2 positions, packed from 3 on: ``mixed`` — one packed model whose linears run stock
+    below 3 rows — and its logits are the stock model's at every size."""
+    model = tiny_llama(layers=2, seed=3)
+
+    def measure(m, n):
+        packed = isinstance(m.get_output_embeddings(), PackedLinear)
+        return 0.001 * n * ((1.0 if n < 3 else 3.0) if not packed else (1.5 if n < 3 else 2.0))
+
+    kind, run_model, info = probe_linear(model, positions=(1, 2, 3, 4), reps=1, measure=measure)
+    assert (kind, info["chosen"], info["packed_from"]) == ("mixed", "mixed", 3)
+    assert "onednn from 3 positions on, stock below" in capsys.readouterr().err
+    packed = [m for m in run_model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m.packed_from == 3 for m in packed)
+    calls = []
+    import decode.core.linear as linear
+    real = linear.packed_linear
+    linear.packed_linear = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        with torch.inference_mode():
+            for n in (1, 2, 3, 5):
+                ids = torch.tensor([list(range(1, n + 1))])
+                before = len(calls)
+                a, b = model(input_ids=ids).logits, run_model(input_ids=ids).logits
+                assert (len(calls) > before) == (n >= 3)  # packed kernels only from 3 rows
+                torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    finally:
+        linear.packed_linear = real

@@ -21,7 +21,10 @@ rounding (another summation order, ~1e-4 absolute on logits of magnitude ~20), l
 
 Packing is not always faster: on an AMX Xeon (Sapphire Rapids class, 2 threads) the stock model stepped in
 32.5 ms and the packed one in 41.3 ms (Spec-Bench demo prompts: our autoregressive loop 0.95× against 0.79× of
-plain ``generate``). Which is faster is a property of the machine and its BLAS, so ``auto`` measures it.
+plain ``generate``). Which is faster is a property of the machine and its BLAS, so ``auto`` measures it — per
+number of positions: on that Xeon stock won for 1–3 positions and packing from 4 on (a forward at 300 tokens
+of context: 4 positions 51.3 ms packed vs 54.6 stock, 6: 54.9 vs 59.8, 8: 58.0 vs 67.0), so ``auto`` may pick
+``mixed``: the packed model with ``PackedLinear.packed_from`` rows, below which each linear runs stock.
 """
 from __future__ import annotations
 
@@ -64,8 +67,9 @@ class PackedLinear(torch.nn.Module):
     Eager calls run the oneDNN op directly (no custom-op dispatch: ~210 linears per forward); a graph being
     compiled calls :func:`onednn_linear`."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, packed_from: int = 1):
         super().__init__()
+        self.packed_from = int(packed_from)  # fewer rows than this run stock F.linear (``mixed``)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.packed = pack_weight(linear.weight)
@@ -74,6 +78,8 @@ class PackedLinear(torch.nn.Module):
         weakref.finalize(self, _PACKED.pop, self.key, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_from > 1 and x.numel() < self.packed_from * self.in_features:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
             return onednn_linear(x, self.weight, self.bias, self.key)
         return packed_linear(x, self.packed, self.bias)
@@ -153,28 +159,45 @@ def _time_forward(model: torch.nn.Module, positions: int) -> float:
     return time.perf_counter() - start
 
 
-def probe_linear(model: torch.nn.Module, positions: tuple[int, ...] = (1, 3), reps: int = 5,
+def probe_linear(model: torch.nn.Module, positions: tuple[int, ...] = (1, 2, 3, 4, 5, 6), reps: int = 4,
                  measure=_time_forward) -> tuple[str, torch.nn.Module, dict]:
     """``--linear auto`` on a CPU: time the stock model and its packed copy on forwards of ``positions`` tokens
-    (a one-token step and a typical verification; one warm-up, then ``reps`` rounds interleaved between the
-    two, medians) and keep the one whose summed medians are lower (ties: stock). Returns (kind, the model to
-    run, {"chosen", "ms": {kind: {positions: median ms}}}); about 1 s for the default target."""
-    models = {"stock": model, "onednn": pack_linears(model)}
-    seconds = {kind: {n: [] for n in positions} for kind in models}
+    (the rows every linear multiplies in a round of that size; one warm-up, then ``reps`` rounds interleaved
+    between the two, medians) and pick where packing starts: the threshold t with the lowest summed medians when
+    forwards of fewer than t positions run stock and the rest packed (ties: more stock). t at the smallest size
+    = ``onednn``, past the largest = ``stock``, else ``mixed`` (packed from t positions on, also beyond the
+    sizes probed). Returns (kind, the model to run, {"chosen", "packed_from", "ms": {kind: {positions: ms}}});
+    a few seconds for the default target."""
+    packed = pack_linears(model)
+    models = {"stock": model, "onednn": packed}
+    sizes = sorted(set(int(n) for n in positions))
+    seconds = {kind: {n: [] for n in sizes} for kind in models}
     with torch.inference_mode():
         for rep in range(reps + 1):
             for kind, m in models.items():
-                for n in positions:
+                for n in sizes:
                     t = measure(m, n)
                     if rep:  # the first round warms caches and oneDNN's primitive cache
                         seconds[kind][n].append(t)
     ms = {kind: {n: round(1e3 * statistics.median(ts), 2) for n, ts in per.items()} for kind, per in seconds.items()}
-    chosen = min(ms, key=lambda kind: (sum(ms[kind].values()), kind != "stock"))
-    print(f"--linear auto: {chosen} linears (forward of {'/'.join(map(str, positions))} positions: "
+    cost = {t: sum(ms["stock"][n] for n in sizes if n < t) + sum(ms["onednn"][n] for n in sizes if n >= t)
+            for t in [*sizes, sizes[-1] + 1]}
+    start = min(cost, key=lambda t: (cost[t], -t))
+    if start > sizes[-1]:
+        chosen, run, start = "stock", model, None
+    elif start == sizes[0]:
+        chosen, run = "onednn", packed
+    else:
+        chosen, run = "mixed", packed
+        for module in packed.modules():
+            if isinstance(module, PackedLinear):
+                module.packed_from = start
+    what = {"stock": "stock", "onednn": "onednn", "mixed": f"onednn from {start} positions on, stock below"}[chosen]
+    print(f"--linear auto: {what} linears (forward of {'/'.join(map(str, sizes))} positions: "
           + ", ".join(f"{k} {'/'.join(f'{v:.1f}' for v in per.values())} ms" for k, per in ms.items()) + ")",
           file=sys.stderr)
-    return chosen, models[chosen], {"chosen": chosen, "ms": {k: {str(n): v for n, v in per.items()}
-                                                             for k, per in ms.items()}}
+    return chosen, run, {"chosen": chosen, "packed_from": start,
+                         "ms": {k: {str(n): v for n, v in per.items()} for k, per in ms.items()}}
 
 
 def linear_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:

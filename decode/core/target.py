@@ -330,7 +330,7 @@ class Target:
         self.kv = KVCache.for_model(model, cache, max_cache_len)
         self.compile = bool(compile)
         self.compiled = CompiledForward(model) if compile else None
-        self.linear = "stock"  # how ``model``'s linears run (decode/core/linear.py); build_engine records its kind
+        self.linear = "stock"  # how ``model``'s linears run: stock, onednn or mixed (decode/core/linear.py); build_engine records it
         self.linear_probe: dict | None = None  # --linear auto's measurement (build_engine), else None
         self.forwards = 0
         self.prefill_hidden: HiddenStates | None = None
