@@ -78,7 +78,7 @@ pool: $(STAMP)
 	$(PY) -m toolkit pool --budget $(BUDGET) $(if $(TARGET),--target $(TARGET))
 
 # The EAGLE head the repository ships (pretrained/<target>/eagle, used by `make demo`): the medium pool's
-# distill + EAGLE stages (~85 min on a 2-core CPU), then `toolkit ship` (float16 weights, run record,
+# distill + EAGLE stages (~100 min on a 2-core CPU), then `toolkit ship` (float16 weights, run record,
 # top-1 check against float32).
 .PHONY: pretrained
 pretrained: $(STAMP)

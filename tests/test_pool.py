@@ -69,4 +69,4 @@ def test_every_stage_command_sets_each_key_once(name, tmp_path):
         keys = [a.split("=", 1)[0] for a in argv if "=" in a and not a.startswith("-")]
         assert len(keys) == len(set(keys)), argv
     eagle = dict(plan("t", "medium", tmp_path, SUITE))["train:eagle"]
-    assert "open_text.fraction=0.85" in eagle and "open_text.fraction=0.95" not in eagle
+    assert "open_text.fraction=0.9" in eagle and "open_text.fraction=0.95" not in eagle
