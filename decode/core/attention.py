@@ -18,9 +18,10 @@ On CUDA, SDPA with a mask and ``enable_gqa`` falls back to its math kernel, so t
 """
 from __future__ import annotations
 
-import copy
-
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .models import weight_sharing_copy
 
 NAME = "adaspec_gqa_sdpa"
 
@@ -29,8 +30,6 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float
                        is_causal=None, **kwargs):
     """transformers' ``sdpa`` attention, except that a masked forward of a grouped-query layer passes the
     key/value heads to SDPA as they are (``enable_gqa``) instead of repeating them."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     plain = (attention_mask is None or groups <= 1 or query.device.type != "cpu" or kwargs.get("softcap") is not None
              or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None)
@@ -61,10 +60,6 @@ def gqa_attention_model(model: torch.nn.Module, *, in_place: bool = False) -> to
     if getattr(model.config, "_attn_implementation", None) != "sdpa" or kv == heads or device.type != "cpu":
         return model
     _register()
-    if in_place:
-        fast = model
-    else:
-        memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
-        fast = copy.deepcopy(model, memo)
+    fast = model if in_place else weight_sharing_copy(model)
     fast.set_attn_implementation(NAME)
     return fast.eval()

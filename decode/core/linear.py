@@ -28,7 +28,6 @@ of context: 4 positions 51.3 ms packed vs 54.6 stock, 6: 54.9 vs 59.8, 8: 58.0 v
 """
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import statistics
@@ -39,6 +38,7 @@ import weakref
 import torch
 
 from ..common.errors import UserError
+from .models import weight_sharing_copy
 
 LINEAR_KINDS = ("auto", "onednn", "stock")
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -67,9 +67,9 @@ class PackedLinear(torch.nn.Module):
     Eager calls run the oneDNN op directly (no custom-op dispatch: ~210 linears per forward); a graph being
     compiled calls :func:`onednn_linear`."""
 
-    def __init__(self, linear: torch.nn.Linear, packed_from: int = 1):
+    def __init__(self, linear: torch.nn.Linear):
         super().__init__()
-        self.packed_from = int(packed_from)  # fewer rows than this run stock F.linear (``mixed``)
+        self.packed_from = 1  # fewer rows than this run stock F.linear (``mixed``: set by probe_linear)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.packed = pack_weight(linear.weight)
@@ -135,8 +135,7 @@ def resolve_linear(spec: str, device, dtype: torch.dtype) -> str:
 def pack_linears(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` whose every ``nn.Linear`` is a :class:`PackedLinear`, sharing all parameters and
     buffers with ``model`` (which is left untouched)."""
-    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    fast = copy.deepcopy(model, memo)
+    fast = weight_sharing_copy(model)
     for module in list(fast.modules()):
         _pack_children(module)
     fast.eval()

@@ -8,6 +8,7 @@ A spec is one of:
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -162,3 +163,10 @@ def check_vocab_compatible(target_tok, drafter_tok, *, target_name: str = "targe
         raise UserError(f"drafter '{drafter_name}' uses a different tokenizer vocabulary than target "
                         f"'{target_name}'; speculative decoding needs the same token ids — use a drafter "
                         f"trained with the target's tokenizer")
+
+
+def weight_sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model``'s module tree (and config) that shares every parameter and buffer with it: a run model
+    changed in how it computes (packed linears, another attention) while ``model`` keeps running as it did."""
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
