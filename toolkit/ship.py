@@ -3,8 +3,9 @@ repository ships (``pretrained/<target>/eagle``), so a fresh clone decodes with 
 
 What is written: the head's weights in float16 (half the bytes; the arm loads them into the target's dtype,
 and verification keeps decoding exact whatever the head's precision), its ``head.json`` and
-``draft_vocab.safetensors`` unchanged, the training run's record (``run.json``, ``eval.json``) and ``SHIPPED.md``: what the
-folder is, the command that rebuilt it, and the sizes. The head is read back from the new folder and must
+``draft_vocab.safetensors`` unchanged, the training run's record (``run.json``, ``eval.json``; absolute paths under
+the working directory written relative to it, so the committed record names no one's machine) and ``SHIPPED.md``:
+what the folder is, the command that rebuilt it, and the sizes. The head is read back from the new folder and must
 draft the same top-1 tokens as the original on a probe before the folder appears (written beside, then
 renamed into place).
 """
@@ -36,6 +37,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing --out")
 
 
+def portable_paths(obj, root: Path):
+    """``obj`` (parsed JSON) with every absolute path string under ``root`` made relative to it."""
+    if isinstance(obj, dict):
+        return {k: portable_paths(v, root) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [portable_paths(v, root) for v in obj]
+    if isinstance(obj, str) and obj.startswith("/"):
+        path = Path(obj)
+        if path.is_relative_to(root):
+            return str(path.relative_to(root))
+    return obj
+
+
 def _check_same_drafts(src: Path, dst: Path, target_name: str) -> float:
     """Top-1 agreement of the shipped head with the original on random features; returns the agreement
     (1.0 expected, up to float16 rounding ties)."""
@@ -63,9 +77,12 @@ def ship(head: Path, out: Path, target: str, dtype: str = "float16", command: st
     tmp.mkdir(parents=True)
     state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in load_file(str(head / HEAD_WEIGHTS)).items()}
     save_file(state, str(tmp / HEAD_WEIGHTS))
-    for name in (VOCAB_FILE, "run.json", "eval.json"):
+    if (head / VOCAB_FILE).is_file():
+        shutil.copy2(head / VOCAB_FILE, tmp / VOCAB_FILE)
+    for name in ("run.json", "eval.json"):
         if (head / name).is_file():
-            shutil.copy2(head / name, tmp / name)
+            record = portable_paths(json.loads((head / name).read_text()), Path.cwd())
+            (tmp / name).write_text(json.dumps(record, indent=2) + "\n")
     shutil.copy2(head / HEAD_CONFIG, tmp / HEAD_CONFIG)
     agreement = _check_same_drafts(head, tmp, target) if check else None
     if agreement is not None and agreement < 0.95:
