@@ -77,6 +77,92 @@ def test_cache_holds_each_examples_own_features_and_resumes_shard_by_shard(tmp_p
     assert compute.calls == 3
 
 
+def _rows(ds, order):
+    from datasets import Dataset
+
+    return Dataset.from_list([ds[i] for i in order])
+
+
+def _assert_each_example_alone(store, ds, compute):
+    for i, row in enumerate(ds):
+        want = _alone(compute, row["input_ids"])
+        for name in store.names:
+            torch.testing.assert_close(store[i][name], want[name][0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_new_mix_reuses_the_examples_the_cache_holds_and_computes_only_the_new_ones(tmp_path):
+    old = _dataset([5, 9, 3, 7, 4])
+    extra = _dataset([6, 2, 8], seed=5)
+    compute = Counting()
+    sec = FeatureCacheSection(enabled=True, dtype="float32", shard_examples=2, batch_size=2)
+    build_feature_cache(sec, tmp_path / "c", old, compute, PadCollate(), {"t": 1}, "cpu", progress=False)
+    # the new mix: three new examples among the old ones, in another order, one old example dropped
+    from datasets import concatenate_datasets
+
+    both = concatenate_datasets([old, extra])
+    new = _rows(both, [5, 3, 0, 6, 1, 7, 4])
+    compute.calls = 0
+    store = build_feature_cache(sec, tmp_path / "c", new, compute, PadCollate(), {"t": 1}, "cpu", progress=False)
+    assert compute.calls == 3  # one forward per shard holding a new example (batches of the missing ones)
+    assert len(store) == 7 and not (tmp_path / "c" / ".rebuild").exists()
+    assert sorted(f.name for f in (tmp_path / "c").glob("shard-*")) == [f"shard-{i:05d}.safetensors" for i in range(4)]
+    _assert_each_example_alone(store, new, compute)
+    compute.calls = 0  # the replaced cache is the new mix's: nothing left to compute
+    build_feature_cache(sec, tmp_path / "c", new, compute, PadCollate(), {"t": 1}, "cpu", progress=False)
+    assert compute.calls == 0
+    # another target (fingerprint): nothing is reused
+    build_feature_cache(sec, tmp_path / "c", new, compute, PadCollate(), {"t": 2}, "cpu", progress=False)
+    assert compute.calls == 4
+
+
+def test_reuse_draws_on_another_runs_cache_and_an_interrupted_rebuild_resumes(tmp_path):
+    old = _dataset([5, 9, 3, 7])
+    compute = Counting()
+    sec = FeatureCacheSection(enabled=True, dtype="float32", shard_examples=2, batch_size=1)
+    build_feature_cache(sec, tmp_path / "a", old, compute, PadCollate(), {"t": 1}, "cpu", progress=False)
+    new = _rows(old, [3, 2, 1, 0])
+    compute.calls = 0
+    other = FeatureCacheSection(enabled=True, dtype="float32", shard_examples=3, batch_size=1,
+                                reuse=[str(tmp_path / "a")])
+    store = build_feature_cache(other, tmp_path / "b", new, compute, PadCollate(), {"t": 1}, "cpu", progress=False)
+    assert compute.calls == 0
+    _assert_each_example_alone(store, new, compute)
+    # an interrupted rebuild: the old cache stays whole, the finished shards of the new one are kept
+    grown = _rows(_dataset([4, 6, 8, 3], seed=9), [0, 1, 2, 3])
+
+    class Failing(Counting):
+        def __call__(self, batch):
+            if self.calls == 2:
+                raise KeyboardInterrupt
+            return super().__call__(batch)
+
+    failing = Failing()
+    with pytest.raises(KeyboardInterrupt):
+        build_feature_cache(sec, tmp_path / "a", grown, failing, PadCollate(), {"t": 1}, "cpu", progress=False)
+    assert json.loads((tmp_path / "a" / "meta.json").read_text())["examples"] == 4
+    assert (tmp_path / "a" / ".rebuild" / "shard-00000.safetensors").is_file()
+    compute.calls = 0
+    store = build_feature_cache(sec, tmp_path / "a", grown, compute, PadCollate(), {"t": 1}, "cpu", progress=False)
+    assert compute.calls == 2 and not (tmp_path / "a" / ".rebuild").exists()
+    _assert_each_example_alone(store, grown, compute)
+
+
+def test_a_cache_without_per_example_keys_still_matches_and_learns_them(tmp_path):
+    ds = _dataset([5, 9, 3])
+    compute = Counting()
+    sec = FeatureCacheSection(enabled=True, dtype="float32", shard_examples=2)
+    build_feature_cache(sec, tmp_path / "c", ds, compute, PadCollate(), {"t": 1}, "cpu", progress=False)
+    meta_path = tmp_path / "c" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "example_keys"}))
+    compute.calls = 0
+    build_feature_cache(sec, tmp_path / "c", ds, compute, PadCollate(), {"t": 1}, "cpu", progress=False)
+    assert compute.calls == 0 and json.loads(meta_path.read_text())["example_keys"] == meta["example_keys"]
+    build_feature_cache(sec, tmp_path / "c", _rows(ds, [2, 1]), compute, PadCollate(), {"t": 1}, "cpu",
+                        progress=False)
+    assert compute.calls == 0
+
+
 def test_float16_cache_rounds_only(tmp_path):
     ds = _dataset([6, 8])
     compute = Counting()
@@ -110,6 +196,8 @@ def test_collator_adds_padded_cached_features_by_index(tmp_path):
 def test_feature_cache_section_checks_its_fields():
     with pytest.raises(UserError, match="feature_cache.shard_examples"):
         FeatureCacheSection(shard_examples=0)
+    with pytest.raises(UserError, match="feature_cache.reuse: .* is not a feature cache"):
+        FeatureCacheSection(reuse=["/nowhere/feature_cache"])
 
 
 def _sharegpt_file(path, convs):
