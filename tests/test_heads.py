@@ -113,8 +113,11 @@ def test_eagle_greedy_lossless(family, cache):
         assert gen.tokens == plain_greedy(model, prompt, 30)
 
 
+@pytest.mark.parametrize("min_rows", [None, 2])  # 2: the feature buffer regrows several times in one query
 @pytest.mark.parametrize("cache", ["dynamic", "static", "prefix"])
-def test_eagle_features_are_the_targets_and_head_cache_is_true_only(cache):
+def test_eagle_features_are_the_targets_and_head_cache_is_true_only(cache, min_rows, monkeypatch):
+    if min_rows:
+        monkeypatch.setattr(EagleArm, "FEATS_MIN_ROWS", min_rows)
     model = tiny_llama(layers=2, seed=4)
     arm = EagleArm(EagleHead(model), model, GREEDY, L=3, cache=cache)
     gen = _generate(model, [arm, build_arm("pld:L=2", ArmEnv(model, None, GREEDY))], PROMPTS[0], 20, "random",

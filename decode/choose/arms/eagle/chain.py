@@ -43,6 +43,7 @@ from ..base import Arm
 class EagleArm(Arm):
     name = "eagle"
     uses_target_hidden = True
+    FEATS_MIN_ROWS = 256  # first capacity of the true-feature buffer (it doubles when full)
 
     def __init__(self, head: EagleHead, target_model, sampling: SamplingConfig, L: int = 4,
                  generator: torch.Generator | None = None, label: str | None = None, target=None,
@@ -84,7 +85,8 @@ class EagleArm(Arm):
     def reset(self, prompt_ids):
         self.cache.start(minimum=len(prompt_ids))
         self.entries = 0  # head-cache entries built from true features (positions 0..entries-1)
-        self.feats = None  # [P, d·len(layers)] true target rows for positions 0..P-1
+        self.feats = None  # [P, d·len(layers)] true target rows for positions 0..P-1 (a view of _feats_buf)
+        self._feats_buf = None  # grows by doubling: appending a round's rows does not copy the whole history
         self.tokens: list[int] = []  # committed tokens the features belong to
         self.prev_len = self.prompt_len = len(prompt_ids)
         self.draft_hidden: list[torch.Tensor] = []
@@ -92,13 +94,22 @@ class EagleArm(Arm):
         self.after = None  # the head's prediction after self.tokens (the last _true_step's result)
 
     # -- true features ------------------------------------------------------------------------------
+    @torch.inference_mode()  # the buffer may be an inference tensor (_fill_missing): written in place only here
     def _append_feats(self, start: int, rows: torch.Tensor) -> None:
         have = 0 if self.feats is None else self.feats.shape[0]
         if start > have:
             return  # a gap: _fill_missing recomputes the features on the next propose
         rows = rows[have - start:].to(self.device, torch.float32)
-        if len(rows):
-            self.feats = rows if self.feats is None else torch.cat([self.feats, rows])
+        if not len(rows):
+            return
+        size = have + len(rows)
+        if self._feats_buf is None or size > len(self._feats_buf):
+            buf = rows.new_empty(max(2 * size, self.FEATS_MIN_ROWS), rows.shape[1])
+            if have:
+                buf[:have] = self.feats
+            self._feats_buf = buf
+        self._feats_buf[have:size] = rows
+        self.feats = self._feats_buf[:size]
 
     def _take_prefill(self) -> None:
         """The prompt's features come free with the engine's prefill (Target.prefill_hidden)."""
@@ -116,7 +127,7 @@ class EagleArm(Arm):
             x = torch.tensor([context[:need]], device=self.device)
             out = self.target_model(input_ids=x, output_hidden_states=True)
             self.target_forwards += 1
-            self.feats = layer_features(out.hidden_states, self.layers)[0].float()
+            self.feats = self._feats_buf = layer_features(out.hidden_states, self.layers)[0].float()
 
     def observe(self, context, hidden: HiddenStates | None = None):
         if hidden is None:
