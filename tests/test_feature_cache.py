@@ -147,7 +147,7 @@ def test_reuse_draws_on_another_runs_cache_and_an_interrupted_rebuild_resumes(tm
     _assert_each_example_alone(store, grown, compute)
 
 
-def test_a_cache_without_per_example_keys_still_matches_and_learns_them(tmp_path):
+def test_a_cache_without_per_example_keys_still_matches_and_learns_them(tmp_path, capsys):
     ds = _dataset([5, 9, 3])
     compute = Counting()
     sec = FeatureCacheSection(enabled=True, dtype="float32", shard_examples=2)
@@ -158,6 +158,11 @@ def test_a_cache_without_per_example_keys_still_matches_and_learns_them(tmp_path
     compute.calls = 0
     build_feature_cache(sec, tmp_path / "c", ds, compute, PadCollate(), {"t": 1}, "cpu", progress=False)
     assert compute.calls == 0 and json.loads(meta_path.read_text())["example_keys"] == meta["example_keys"]
+    # a cache of another target is no donor, and the run says so
+    other = FeatureCacheSection(enabled=True, dtype="float32", shard_examples=2, reuse=[str(tmp_path / "c")])
+    build_feature_cache(other, tmp_path / "d", ds, compute, PadCollate(), {"t": 2}, "cpu", progress=False)
+    assert compute.calls == 2 and "built for another target" in capsys.readouterr().out
+    compute.calls = 0
     build_feature_cache(sec, tmp_path / "c", _rows(ds, [2, 1]), compute, PadCollate(), {"t": 1}, "cpu",
                         progress=False)
     assert compute.calls == 0

@@ -79,7 +79,13 @@ class _Donor:
         self.where: dict[str, tuple[Path, int]] = {}
         self.names = (meta or {}).get("names")
         self._shards: dict[Path, dict[str, torch.Tensor]] = {}
-        if not meta or meta.get("fingerprint") != fingerprint or meta.get("dtype") != dtype or not self.names:
+        self.why_not = ("no cache there" if not meta else
+                        "built for another target or other layers" if meta.get("fingerprint") != fingerprint else
+                        f"stored in {meta.get('dtype')}, not {dtype}" if meta.get("dtype") != dtype else
+                        "unfinished" if not self.names else
+                        "built before per-example keys (rerun its training once to add them)"
+                        if not meta.get("example_keys") else None)
+        if self.why_not:
             return
         per = meta["shard_examples"]
         for i, key in enumerate(meta.get("example_keys") or ()):
@@ -143,6 +149,9 @@ def build_feature_cache(section: FeatureCacheSection, folder: Path, dataset, com
     if same(old) and "example_keys" not in old:  # a cache from before per-example keys: it can donate from now on
         atomic_write_json(folder / META, {**old, "example_keys": keys}, indent=1)
     donors = [_Donor(Path(r), _read_meta(Path(r)), fingerprint, section.dtype) for r in section.reuse]
+    for r, d in zip(section.reuse, donors):
+        if d.why_not:
+            print(f"[feature cache] nothing to reuse from {r}: {d.why_not}", flush=True)
     into = folder
     if old is not None and not same(old):
         into = folder / ".rebuild"
