@@ -38,7 +38,7 @@ def env():
     ("pld:L=3,L=4", r"'L' is given twice"),
     ("drafter:L=2", r"missing required parameter 'path'"),
     ("drafter:path=/nowhere,L=0", r"L must be an integer >= 1, got '0'"),
-    ("drafter:path=/nowhere", r"arm drafter:path=/nowhere: .*not an existing folder"),
+    ("drafter:path=/nowhere", r"arm 'drafter:path=/nowhere': .*not an existing folder"),
 ])
 def test_bad_arm_specs_name_arm_parameter_value_and_range(env, spec, needle):
     with pytest.raises(UserError, match=needle):

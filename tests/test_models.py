@@ -95,3 +95,32 @@ def test_load_model_on_cuda_same_greedy_tokens_in_float32(tiny_target_dir):
     prompt = [5, 9, 13, 17, 21]
     out = gpu.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert out[0, len(prompt):].tolist() == plain_greedy(cpu, prompt, 16)
+
+
+def test_concurrent_first_uses_convert_the_alias_once(tmp_path, monkeypatch):
+    """Two processes starting on a fresh machine (a server and an eval, parallel test workers) both find no cached
+    folder: one converts, the other waits for it and reuses the result instead of swapping the folder away."""
+    import threading
+
+    import decode.core.models as models
+
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path))
+    calls, started = [], threading.Event()
+
+    def slow_convert(gguf, out):
+        calls.append(out)
+        started.set()
+        time.sleep(0.3)  # the second caller arrives while this one converts
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert_gguf", slow_convert)
+    monkeypatch.setattr(models, "locate_gguf", lambda alias: tmp_path / "model.gguf")
+    name = next(iter(ALIASES))
+    results = []
+    first = threading.Thread(target=lambda: results.append(resolve_path(name)))
+    first.start()
+    started.wait(10)
+    results.append(resolve_path(name))
+    first.join(10)
+    assert len(calls) == 1 and results == [str(tmp_path / name)] * 2

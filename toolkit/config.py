@@ -361,10 +361,16 @@ def load_recipe(schema: type[T], path: str | Path | None = None, overrides: Sequ
     if path is not None:
         p = Path(path)
         origin = f"recipe {p}"
+        if p.is_dir():
+            raise UserError(f"recipe {p} is a folder; pass a YAML recipe file (see recipes/)")
         if not p.is_file():
             raise UserError(f"recipe file {p} not found; pass an existing YAML file (see recipes/)")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise UserError(f"{origin}: not UTF-8 text (a binary file?); pass a YAML recipe file (see recipes/)") from None
+        except OSError as exc:
+            raise UserError(f"{origin}: cannot read it ({exc.strerror or exc})") from None
         except yaml.YAMLError as exc:
             raise UserError(f"{origin}: not valid YAML: {exc}") from None
         if loaded is None:

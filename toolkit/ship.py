@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from decode.common.device import DTYPES
 from decode.common.errors import UserError
 from decode.core.models import DEFAULT_TARGET
-from decode.choose.heads.common import HEAD_CONFIG, HEAD_WEIGHTS, read_head_config
+from decode.choose.heads.common import HEAD_CONFIG, HEAD_WEIGHTS, read_head_config, read_head_weights
 from decode.core.vocab import VOCAB_FILE
 
 
@@ -75,7 +75,7 @@ def ship(head: Path, out: Path, target: str, dtype: str = "float16", command: st
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in load_file(str(head / HEAD_WEIGHTS)).items()}
+    state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in read_head_weights(head).items()}
     save_file(state, str(tmp / HEAD_WEIGHTS))
     if (head / VOCAB_FILE).is_file():
         shutil.copy2(head / VOCAB_FILE, tmp / VOCAB_FILE)

@@ -25,7 +25,8 @@ from ..common.errors import UserError
 from ..evaluation.eval_config import MAX_SEED, EvalConfig, add_decoding_arguments, resolve_cache
 from ..choose.length import build_length
 from ..core.linear import resolve_linear
-from ..core.models import DEFAULT_TARGET, eos_token_ids, load_model, pad_token_id
+from ..core.models import (DEFAULT_TARGET, check_new_tokens, context_of, context_overflow, eos_token_ids,
+                           load_model, pad_token_id, target_context)
 from ..evaluation.peers import hf_generate
 from ..choose.policies import build_policy
 from ..choose.policies.simple import Fixed
@@ -301,6 +302,9 @@ class Session:
     def decode(self, text: str, out: TextIO, colours: list[str] | None) -> Generation:
         """Decode one prompt, streaming its text to ``out``; then the summary (and HF comparison) to stderr."""
         ids = encode(self.tok, text, self.args.raw)
+        overflow = context_overflow(self.args.max_new_tokens, context_of(self.model.config), self.args.target, [len(ids)])
+        if overflow:
+            self.err.write(f"note: {overflow}\n")
         self._warm_up(ids)
         self._seed()
         printer = TokenPrinter(decode_text(self.tok), out, colours)
@@ -364,6 +368,8 @@ def summary(g: Generation, labels: list[str], show_arms: bool = False, colours: 
 def run(args) -> int:
     specs, policy_spec, sampling = check_args(args)
     text = None if args.interactive else read_prompt(args.prompt, sys.stdin)
+    # the target's context from its config alone, before the weights load
+    check_new_tokens(args.max_new_tokens, target_context(args.target, args.trust_remote_code), args.target)
     out, err = sys.stdout, sys.stderr
     session = Session(args, specs, policy_spec, sampling, err)
     colours = ([PALETTE[i % len(PALETTE)] for i in range(len(session.labels))]

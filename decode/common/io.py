@@ -47,10 +47,95 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False):
         raise
 
 
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be created in ``folder``, by creating (and removing) one: ``os.access`` says yes to
+    root on read-only or virtual file systems (/sys, /proc) where the write itself then fails."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".adaspec-probe.", suffix=".tmp", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
+
+
+def check_output_file(path: str | os.PathLike, flag: str) -> None:
+    """Fail before any work, not after it, on an output file that cannot be written: a folder, a parent that
+    is a file, or a folder in which no file can be created (parents that do not exist yet are created by the
+    writer, so the nearest existing one is probed). ``flag`` names the option in the one-line error."""
+    from .errors import UserError
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{flag} {p}: is a folder; pass a file path")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"{flag} {p}: {parent} is a file, not a folder")
+    if not _can_create_in(parent):
+        raise UserError(f"{flag} {p}: cannot write into {parent} (permission denied or a read-only file system); "
+                        f"pass another path")
+
+
+def _json_head(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # ValueError: invalid JSON or not UTF-8
+        return None
+
+
+def is_report_json(path: str | os.PathLike) -> bool:
+    """A report this tool wrote (``decode eval``/``report``/``simulate``): a JSON object with ``config`` and
+    ``summary``."""
+    data = _json_head(Path(path))
+    return isinstance(data, dict) and {"config", "summary"} <= data.keys()
+
+
+def starts_with(path: str | os.PathLike, *prefixes: str) -> bool:
+    """Whether the text file at ``path`` begins with one of ``prefixes`` (how a table this tool wrote is told
+    from a user's file)."""
+    try:
+        with Path(path).open("rb") as fh:
+            head = fh.read(256).decode("utf-8", errors="replace")
+    except OSError:
+        return False
+    return head.startswith(prefixes)
+
+
+def refuse_foreign(path: str | os.PathLike, flag: str, is_own, allow: str) -> None:
+    """A file at ``path`` that this tool did not write (``is_own(path)`` False) is never replaced without the
+    flag ``allow`` (e.g. ``--force``): a one-line error naming the path, before any work."""
+    from .errors import UserError
+    p = Path(path)
+    if p.is_file() and not is_own(p):
+        raise UserError(f"{flag} {p}: the file exists and is not an output of this tool; pass {allow} to "
+                        f"replace it, or another path")
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` survive a crash (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to a temp file beside ``path`` and rename it in (parents are created)."""
+    """Write ``text`` to a temp file beside ``path``, fsync it, rename it in and fsync the folder (parents are
+    created): after a crash the file is the old one or the new one, whole, never torn or empty."""
+    path = Path(path)
     with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+    _fsync_dir(path.parent)
 
 
 def atomic_write_json(path: str | os.PathLike, obj, *, indent: int | None = 1, sort_keys: bool = False) -> None:

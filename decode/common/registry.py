@@ -18,13 +18,17 @@ class Registry:
         self.plural = plural or kind + "s"
         self.hint = hint  # appended to the unknown-name error (how to set it)
         self._factories: dict[str, Callable[..., Any]] = {}
+        self._checks: dict[str, Callable[[dict], None]] = {}
 
-    def register(self, name: str):
-        """Decorator; a registered class also gets ``cls.name = name``."""
+    def register(self, name: str, check: Callable[[dict], None] | None = None):
+        """Decorator; a registered class also gets ``cls.name = name``. ``check(typed params)`` validates what
+        the signature cannot (a folder the spec names, sub-specs) without building: :meth:`check` runs it."""
         def deco(factory):
             if isinstance(factory, type):
                 factory.name = name
             self.add(name, factory)
+            if check is not None:
+                self._checks[name] = check
             return factory
         return deco
 
@@ -36,13 +40,24 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._factories)
 
-    def build(self, name: str, spec: str, /, *args, **params):
-        """``factory(*args, **params)``; ``spec`` is the user's text, quoted in errors."""
+    def check(self, name: str, spec: str, positional: int, params: dict) -> dict:
+        """The spec's parameters typed and range-checked against the factory (which takes ``positional``
+        arguments of its own first), without building anything: what a CLI validates before models load."""
         if name not in self._factories:
             where = f" in '{spec}'" if spec != name else ""
             raise UserError(f"unknown {self.kind} '{name}'{where}; known {self.plural}: {', '.join(self.names())}{self.hint}")
+        typed = bind_params(f"{self.kind} '{spec}'", name, self._factories[name], positional, params)
+        if name in self._checks:
+            try:
+                self._checks[name](typed)
+            except UserError as exc:
+                raise UserError(f"{self.kind} '{spec}': {exc}") from None
+        return typed
+
+    def build(self, name: str, spec: str, /, *args, **params):
+        """``factory(*args, **params)``; ``spec`` is the user's text, quoted in errors."""
+        params = self.check(name, spec, len(args), params)
         factory = self._factories[name]
-        params = bind_params(f"{self.kind} '{spec}'", name, factory, len(args), params)
         try:
             return factory(*args, **params)
         except TypeError as exc:

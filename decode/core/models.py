@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -78,13 +79,34 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         (tmp / "adaspec_source.json").write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size}))
 
 
+@contextmanager
+def _conversion_lock(out: Path):
+    """An exclusive lock beside the cache folder ``out`` while it is converted: two processes starting on a fresh
+    machine (a server and an eval, parallel test workers) would otherwise both convert, and the second swap would
+    pull the folder from under the first one's reader. POSIX file locks; elsewhere no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def resolve_path(spec: str) -> str:
     """Return a local folder (aliases converted/cached) or the hub id unchanged."""
     if spec in ALIASES:
         alias = ALIASES[spec]
         out = cache_dir() / spec
         if not (out / "config.json").is_file():
-            _convert_gguf(locate_gguf(alias), out)
+            with _conversion_lock(out):  # another process converting the same alias: wait for it, convert once
+                if not (out / "config.json").is_file():
+                    _convert_gguf(locate_gguf(alias), out)
         return str(out)
     p = Path(spec).expanduser()
     if p.exists():
@@ -96,6 +118,51 @@ def resolve_path(spec: str) -> str:
         return spec  # hub id
     raise UserError(f"unknown model '{spec}': not an alias ({', '.join(sorted(ALIASES))}), "
                     f"not an existing folder, not a hub id of the form org/name")
+
+
+def context_of(config) -> int | None:
+    """The most positions a model attends to, from its config (``max_position_embeddings`` or the older
+    names); None when the config declares none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def target_context(spec: str, trust_remote_code: bool = False) -> int | None:
+    """:func:`context_of` a target spec, read from its config alone (cheap: no weights, no tokenizer), so a
+    request the target cannot hold is refused before the model loads. None when the config cannot be read
+    here (a hub id not cached offline: loading the model then says why)."""
+    from transformers import AutoConfig
+    path = resolve_path(spec)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    return context_of(config)
+
+
+def check_new_tokens(max_new_tokens: int, context: int | None, target: str, flag: str = "--max-new-tokens") -> None:
+    """``max_new_tokens`` must fit the target's ``context`` with at least a one-token prompt: a one-line error
+    naming the flag, the context and the largest value that fits (None = the context is not known)."""
+    if context and max_new_tokens >= context:
+        raise UserError(f"{flag} {max_new_tokens} does not fit {target}'s context of {context} tokens "
+                        f"(max_position_embeddings, prompt included); pass at most {context - 1}")
+
+
+def context_overflow(max_new_tokens: int, context: int | None, target: str, prompt_tokens: list[int],
+                     flag: str = "--max-new-tokens") -> str | None:
+    """A note when some prompts (their lengths ``prompt_tokens``) plus ``max_new_tokens`` exceed the target's
+    ``context``: they still decode (rotary positions extend), but past the positions the model was trained on."""
+    over = [n for n in prompt_tokens if n + max_new_tokens > (context or float("inf"))]
+    if not over:
+        return None
+    which = f"{len(over)} of {len(prompt_tokens)} prompts (up to {max(over)} tokens)" if len(prompt_tokens) > 1 \
+        else f"the prompt ({over[0]} tokens)"
+    return (f"{which} + {flag} {max_new_tokens} exceed {target}'s context of {context} tokens "
+            f"(max_position_embeddings): decoding goes past the positions the model was trained on")
 
 
 def load_model(spec: str, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",

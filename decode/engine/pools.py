@@ -132,9 +132,10 @@ def load_pool(path: str | Path) -> list[str]:
 
 
 def collect_arm_specs(arms: str | None, pool: str | None, example: str) -> list[str]:
-    """The arm specs of ``--arms`` (';'-separated) followed by ``--pool``'s, every arm name checked; ``example``
-    is the --arms value an error suggests."""
-    from ..choose.arms import arm_names
+    """The arm specs of ``--arms`` (';'-separated) followed by ``--pool``'s, every spec checked as far as it can
+    be without a model (name, typed and ranged parameters, the head or drafter folder it names:
+    decode/choose/arms/base.py check_arm_spec); ``example`` is the --arms value an error suggests."""
+    from ..choose.arms import arm_names, check_arm_spec
     from ..common.specs import split_specs
     specs = split_specs(arms or "")
     if pool:
@@ -146,4 +147,5 @@ def collect_arm_specs(arms: str | None, pool: str | None, example: str) -> list[
         name, _ = parse_spec(s)
         if name not in known:
             raise UserError(f"--arms: unknown arm '{name}' in '{s}'; known arms: {', '.join(known)}")
+        check_arm_spec(s)
     return specs

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..common.errors import UserError
+from ..common.io import check_output_file, is_report_json, refuse_foreign, starts_with
 from ..core.linear import LINEAR_KINDS, resolve_linear
 from ..core.models import DEFAULT_TARGET
 from ..common.specs import parse_spec, split_specs
@@ -26,6 +27,21 @@ CACHES = ("dynamic", "static", "prefix")
 NOT_RESULTS = ("out", "record_traces", "no_progress", "no_plots", "fresh", "suite", "pool")
 # how a differing field is named to the user
 FLAG_NAMES = {"arms": "--arms/--pool (the arm specs)", "prompts": "the prompts (from --suite/--categories/--limit)"}
+
+
+def is_eval_table(path) -> bool:
+    """The markdown table ``decode eval``/``report`` writes beside a report (decode/evaluation/report.py)."""
+    return starts_with(path, "| method |")
+
+
+def is_traces_file(path) -> bool:
+    """A ``--record-traces`` file (decode/simulation/traces.py): a JSON object with ``version`` and ``traces``."""
+    import json
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"version", "traces"} <= data.keys()
 
 
 def flag(name: str) -> str:
@@ -155,13 +171,12 @@ class EvalConfig:
         cfg.check_outputs()
         if a.get("categories") is not None:
             cfg.categories = [c.strip() for c in a["categories"].split(",") if c.strip()]
-        cfg.arms = split_specs(a.get("arms") or "")
-        if cfg.pool:
-            from ..engine.pools import load_pool
-            cfg.arms += load_pool(cfg.pool)
-        if not cfg.arms:
-            raise UserError("no arms: pass --arms (e.g. 'pld:L=4;suffix:L=6') or --pool")
+        from ..engine.pools import collect_arm_specs
+        cfg.arms = collect_arm_specs(a.get("arms"), cfg.pool, "pld:L=4;suffix:L=6")  # each spec checked
         cfg.policies = parse_policy_specs(a.get("policies") or "")
+        from ..choose.policies import build_policy
+        for spec in cfg.policies:  # names, typed and ranged parameters (the engine's draft length is not known yet)
+            build_policy(spec, len(cfg.arms), 1)
         cfg.peers = parse_peer_specs(a.get("peers") or "")
         device = resolve_device(a.get("device") or "auto")
         cfg.device = str(device)
@@ -188,7 +203,8 @@ class EvalConfig:
 
     def check_outputs(self) -> None:
         """Fail before decoding, not after it, on an output path that cannot be written: a folder, a parent
-        that is a file, an unwritable folder, or two outputs on the same file."""
+        that is a file, an unwritable folder, or two outputs on the same file; and, without --fresh, on a file
+        there that this tool did not write (it would be replaced)."""
         out = Path(self.out)
         if out.suffix == ".md":
             raise UserError(f"--out {out}: the markdown table is written beside the report as .md; "
@@ -205,15 +221,15 @@ class EvalConfig:
             if key in seen:
                 raise UserError(f"{name} {p}: the same file as {seen[key]}; pass another path")
             seen[key] = name
-            if p.is_dir():
-                raise UserError(f"{name} {p}: is a folder; pass a file path")
-            parent = p.parent
-            while not parent.exists():
-                parent = parent.parent
-            if not parent.is_dir():
-                raise UserError(f"{name} {p}: {parent} is a file, not a folder")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise UserError(f"{name} {p}: cannot write into {parent} (permission denied)")
+            check_output_file(p, name)
+        # never replace a user's file: the report, its table and the traces only over this tool's own outputs
+        # (the records file is checked by its first line when the run resumes)
+        own = [(out, "--out", is_report_json), (self.table_path, "--out (table)", is_eval_table)]
+        if self.record_traces:
+            own.append((Path(self.record_traces), "--record-traces", is_traces_file))
+        if not self.fresh:
+            for p, name, is_own in own:
+                refuse_foreign(p, name, is_own, "--fresh")
 
     # ---- derived --------------------------------------------------------------------------------------------
 

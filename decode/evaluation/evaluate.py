@@ -33,8 +33,9 @@ from ..common.errors import UserError
 from .eval_config import MAX_SEED, EvalConfig, add_decoding_arguments, differences
 from ..common.io import JsonlLog, read_jsonl_log
 from ..choose.length import LengthController, build_length
-from ..core.models import DEFAULT_TARGET, eos_token_ids, load_model, pad_token_id
-from .peers import HFMethod, build_peers
+from ..core.models import (DEFAULT_TARGET, check_new_tokens, context_overflow, eos_token_ids, load_model,
+                           pad_token_id, target_context)
+from .peers import HFMethod, build_peers, peers_help
 from ..choose.policies import build_policy
 from ..choose.policies.simple import Fixed
 from ..core.cost import verification_forwards
@@ -57,9 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="policy specs separated by ';' (e.g. 'ucbspec;ducb:discount=0.9,c=0.1'); ',' separates "
                         "a spec's key=value parameters, and a ',' before a bare name also starts a new spec")
     p.add_argument("--peers", default="",
-                   help="peer decoders run in the same loop, specs separated by ';': hf-pld:L=N (transformers "
-                        "prompt lookup), hf-assisted:path=DIR (assisted generation with a drafter), "
-                        "hf-early-exit:layers=N (transformers early-exit self-speculation)")
+                   help="peer decoders run in the same loop as every method, specs separated by ';': "
+                        + peers_help())
     p.add_argument("--length", help="draft-length controller for every arm and policy run (a fresh one per "
                                     "method): fixed (default), beta-ts[:alpha=..,beta=..], "
                                     "cali-ts[:predictor=top1|<calibrator folder>]")
@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "records as they finish into records.jsonl, or NAME.records.jsonl for --out NAME.json); "
                         "rerunning with the same --out resumes")
     p.add_argument("--fresh", "--overwrite", dest="fresh", action="store_true",
-                   help="discard the records an earlier run left at --out and start over")
+                   help="discard the records an earlier run left at --out and start over (also replaces a "
+                        "file at --out or --record-traces that this tool did not write, which is refused otherwise)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true",
                    help="skip the figures (PNG files beside the report, linked from its .md)")
@@ -246,9 +247,15 @@ def evaluate(cfg: EvalConfig) -> int:
             print(f"all {len(expected)} (method, prompt) records are in {cfg.records_path}; rebuilding the report")
             return _finish(cfg, header, records)
 
+    context = target_context(cfg.target, cfg.trust_remote_code)  # its config alone, before the weights load
+    check_new_tokens(cfg.max_new_tokens, context, cfg.target)
     device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
     torch.manual_seed(cfg.seed)
     model, tok = load_model(cfg.target, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
+    encoded = [encode_prompt(tok, p.text) for p in prompts]
+    overflow = context_overflow(cfg.max_new_tokens, context, cfg.target, [len(e) for e in encoded])
+    if overflow:
+        print(f"note: {overflow}", file=sys.stderr)
     gen = torch.Generator().manual_seed(cfg.seed)
     engine = build_engine(model, tok, cfg.arms, sampling, gen, cache=cfg.cache, compile=cfg.compile, linear=cfg.linear,
                           verifier=cfg.verifier, target_name=cfg.target, trust_remote_code=cfg.trust_remote_code,
@@ -258,7 +265,6 @@ def evaluate(cfg: EvalConfig) -> int:
     hf = HFMethod(model, sampling, eos, pad)
     peers = build_peers(cfg.peers, model, tok, sampling, eos, pad) if cfg.peers else []
     methods, labels = build_methods(engine, cfg.policies, length, cfg.seed, hf, peers)
-    encoded = [encode_prompt(tok, p.text) for p in prompts]
     compile_info = _compile(cfg, engine, peers, encoded)
 
     names = [m.name for m in methods]

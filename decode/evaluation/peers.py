@@ -414,23 +414,27 @@ PEERS = Registry("peer", hint=" (e.g. --peers 'hf-pld:L=4;hf-early-exit:layers=4
 @PEERS.register("hf-pld")
 def _hf_pld(ctx: PeerContext, name: str, L: Annotated[int, Range(1)] = 10,
             n: Annotated[int, Range(1)] | None = None):
+    """transformers' prompt lookup, L tokens a round."""
     return PromptLookupPeer(name, ctx, L, n)
 
 
 @PEERS.register("hf-static")
 def _hf_static(ctx: PeerContext, name: str, compile: bool = True):
+    """transformers' generate on a static KV cache with its compiled decoding forward; compile=false runs it eager."""
     return StaticCachePeer(name, ctx, compile)
 
 
 @PEERS.register("hf-assisted")
 def _hf_assisted(ctx: PeerContext, name: str, path: str, L: Annotated[int, Range(1)] | None = None,
                  schedule: str = "dsl"):
+    """transformers' assisted generation with one of our drafters, the folder given as path."""
     return AssistedPeer(name, ctx, path, L, schedule)
 
 
 @PEERS.register("hf-early-exit")
 def _hf_early_exit(ctx: PeerContext, name: str, layers: Annotated[int, Range(1)],
                    L: Annotated[int, Range(1)] | None = None, schedule: str = "dsl"):
+    """transformers' early-exit self-speculation from the target's first `layers` layers."""
     return EarlyExitPeer(name, ctx, layers, L, schedule)
 
 
@@ -449,6 +453,19 @@ def check_peer_specs(specs: list[str]) -> None:
 
 def peer_names() -> list[str]:
     return PEERS.names()
+
+
+def peers_help() -> str:
+    """One entry per registered peer for ``--help`` (built from the registry, so no peer goes unlisted)."""
+    import inspect
+    entries = []
+    for name in PEERS.names():
+        factory = PEERS._factories[name]
+        params = [f"{k}=…" if v.default is inspect.Parameter.empty else f"{k}={v.default}"
+                  for k, v in list(inspect.signature(factory).parameters.items())[2:]]
+        doc = (factory.__doc__ or "").strip().rstrip(".")
+        entries.append(f"{name}:{','.join(params)} — {doc}" if params else f"{name} — {doc}")
+    return "; ".join(entries)
 
 
 def build_peers(specs: list[str], model, tokenizer, sampling: SamplingConfig, eos: list[int],

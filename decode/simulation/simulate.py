@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 from ..common import metrics
 from ..core.draft import RoundRecord
 from ..common.errors import UserError
-from ..common.io import atomic_path, atomic_write_json, atomic_write_text
+from ..common.io import (atomic_path, atomic_write_json, atomic_write_text, check_output_file, is_report_json,
+                         refuse_foreign, starts_with)
 from ..choose.policies import build_policy, policy_names
 from ..choose.policies.simple import Fixed
 from ..common.specs import split_specs
@@ -362,6 +363,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/simulate/report.json", help="JSON report (.md and .png beside it)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--force", action="store_true",
+                   help="replace a file at --out (or its .md/.png) that this tool did not write (refused otherwise)")
+
+
+def _own_png(path: Path) -> bool:
+    """A figure matplotlib wrote (its PNG names the software in a text chunk near the start)."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(512)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and b"Matplotlib" in head
+
+
+def check_outputs(out: Path, plot: bool, force: bool = False) -> None:
+    """Before simulating: every output (report, table, plot) can be written, and none replaces a file this tool
+    did not write (unless ``force``)."""
+    if out.suffix in (".md", ".png"):
+        raise UserError(f"--out {out}: the report is JSON, with its table (.md) and plot (.png) beside it; name the "
+                        f"report e.g. {out.with_suffix('.json')}")
+    outputs = [("--out", out, is_report_json),
+               ("--out (table)", out.with_suffix(".md"), lambda p: starts_with(p, "# synthetic", "# replay"))]
+    if plot:
+        outputs.append(("--out (plot)", out.with_suffix(".png"), _own_png))
+    for name, p, is_own in outputs:
+        check_output_file(p, name)
+        if not force:
+            refuse_foreign(p, name, is_own, "--force")
 
 
 def _grid(lo: int, hi: int, points: int) -> np.ndarray:
@@ -373,6 +402,7 @@ def run(args) -> int:
         raise UserError(f"--seeds must be >= 1, got {args.seeds}")
     if args.points < 1:
         raise UserError(f"--points must be >= 1, got {args.points}")
+    check_outputs(Path(args.out), not args.no_plot, getattr(args, "force", False))
     specs = split_specs(args.policies) if args.policies else [n for n in policy_names() if n != "fixed"]
     if any(s.startswith("fixed") for s in specs):
         raise UserError("--policies: fixed arms are always simulated; list only adaptive policies")

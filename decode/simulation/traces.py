@@ -196,8 +196,15 @@ def load_traces(path: str | os.PathLike) -> list[Trace]:
     path = Path(path)
     if not path.exists():
         raise UserError(f"--traces: no file at {path}; record one with `decode eval --record-traces {path}`")
+    if path.is_dir():
+        raise UserError(f"--traces: {path} is a folder; pass the trace file `decode eval --record-traces` wrote")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"--traces: {path} is not UTF-8 text (a binary file?); pass the JSON trace file "
+                        f"`decode eval --record-traces` wrote") from None
+    except OSError as exc:
+        raise UserError(f"--traces: cannot read {path} ({exc.strerror or exc})") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"--traces: {path} is not valid JSON ({exc})") from exc
     if not isinstance(data, dict) or data.get("version") != VERSION or "traces" not in data:

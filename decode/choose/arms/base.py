@@ -88,6 +88,14 @@ def build_arm(spec: str, env: ArmEnv) -> Arm:
     return ARMS.build(name, spec, env, **params)
 
 
+def check_arm_spec(spec: str) -> None:
+    """Every check of an arm spec that needs no model, so a bad one fails before anything loads: the name, each
+    parameter's type and range, and what the arm registered to check besides (the folder it names, a union's
+    sub-arms)."""
+    name, params = parse_spec(spec)
+    ARMS.check(name, spec, 1, params)  # every factory takes the ArmEnv first
+
+
 def build_arms(specs: list[str], env: ArmEnv) -> list[Arm]:
     """A pool: every spec built, labels distinct (records and reports are keyed by label)."""
     arms = [build_arm(s, env) for s in specs]

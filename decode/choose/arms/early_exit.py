@@ -23,6 +23,7 @@ import torch
 from ...core.draft import Draft
 from ...common.errors import UserError
 from ..heads import EarlyExitDrafter, load_head
+from ..heads.common import check_head_folder
 from ...core.sampling import SamplingConfig
 from ...common.specs import Range
 from .base import ArmEnv, register
@@ -75,7 +76,7 @@ class EarlyExitArm(DrafterModelArm):
         return self.target_hidden, self.draft_hidden[i - 1]
 
 
-@register("early_exit")
+@register("early_exit", check=lambda typed: check_head_folder(typed["path"], expect="early_exit"))
 def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None):
     head = load_head(path, env.target_model, expect="early_exit")
     if env.target is not None:

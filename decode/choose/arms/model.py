@@ -30,7 +30,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ...core.draft import Draft
 from ...common.errors import UserError
 from ..heads.common import DraftVocabMixin, base_model
-from ...core.models import check_vocab_compatible, load_model
+from ...core.models import ALIASES, check_vocab_compatible, load_model, resolve_path
 from ...core.sampling import SamplingConfig, choose_token
 from ...common.specs import Range
 from ...core.target import KVCache, check_tree_support
@@ -228,7 +228,13 @@ class DrafterModelArm(Arm):
         return out.logits[0].float()
 
 
-@register("drafter")
+def _check(typed: dict) -> None:
+    """The drafter's folder or hub id resolves (an alias is converted only when it loads)."""
+    if str(typed["path"]) not in ALIASES:
+        resolve_path(str(typed["path"]))
+
+
+@register("drafter", check=_check)
 def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None,
           K: Annotated[int, Range(1)] = 1, vocab: str = "auto"):
     """K > 1: K i.i.d. sampled chains per draft, merged into a tree and verified with SpecTr's k-Seq.

@@ -19,7 +19,7 @@ from ...core.draft import Draft
 from ...common.errors import UserError
 from ...common.specs import Range
 from ...core.tree import leaf_chains, merge_chains
-from .base import Arm, ArmEnv, build_arm, register
+from .base import Arm, ArmEnv, build_arm, check_arm_spec, register
 
 
 def sub_specs(text: str) -> list[str]:
@@ -85,7 +85,13 @@ class UnionArm(Arm):
         return merge_chains(chains, max_nodes=self.nodes)
 
 
-@register("union")
+def _check(typed: dict) -> None:
+    """The sub-arms' specs, checked like any arm's before a model loads."""
+    for sub in sub_specs(str(typed["arms"])):
+        check_arm_spec(sub)
+
+
+@register("union", check=_check)
 def _make(env: ArmEnv, arms: str, nodes: Annotated[int, Range(1)] = 16, name: str | None = None):
     specs = sub_specs(arms)
     if any(s.partition(":")[0] == "union" for s in specs):

@@ -207,11 +207,55 @@ def save_head(head: nn.Module, out_dir, extra: dict | None = None) -> Path:
 
 
 def read_head_config(folder) -> dict:
+    """``head.json`` of a head folder; a missing, unreadable, damaged or truncated one is a UserError naming
+    the folder and what is wrong with it."""
     path = Path(folder) / HEAD_CONFIG
+    if not Path(folder).is_dir():
+        raise UserError(f"{folder} is not a trained head folder (no such folder, so no {HEAD_CONFIG}); train one "
+                        "with `make train-eagle`, `make train-early-exit` or `make train-calibrator`")
     if not path.is_file():
         raise UserError(f"{folder} is not a trained head folder (no {HEAD_CONFIG}); train one with "
                         "`make train-eagle`, `make train-early-exit` or `make train-calibrator`")
-    return json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:  # invalid JSON (a truncated or damaged file), not UTF-8, unreadable
+        raise UserError(f"head folder {folder}: {HEAD_CONFIG} is damaged ({_reason(exc)}); copy the folder again "
+                        "or retrain the head") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"head folder {folder}: {HEAD_CONFIG} is not a JSON object; copy the folder again or "
+                        "retrain the head")
+    return meta
+
+
+def _reason(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def read_head_weights(folder) -> dict[str, torch.Tensor]:
+    """The tensors of ``head.safetensors``; a missing, truncated or damaged file is a UserError naming the
+    folder and what is wrong with it (safetensors raises its own error type, or an OSError)."""
+    path = Path(folder) / HEAD_WEIGHTS
+    if not path.is_file():
+        raise UserError(f"head folder {folder}: its weights {HEAD_WEIGHTS} are missing (an incomplete copy?); "
+                        "copy the folder again or retrain the head")
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # SafetensorError (bad/truncated header or data), OSError
+        raise UserError(f"head folder {folder}: {HEAD_WEIGHTS} is not a readable safetensors file, damaged or "
+                        f"truncated ({_reason(exc)}); copy the folder again or retrain the head") from None
+
+
+def check_head_folder(folder, expect: str | None = None) -> dict:
+    """What can be checked of a head folder without its target (before any model loads): ``head.json``
+    readable, of the ``expect``-ed kind, and its weights a readable safetensors file. Returns ``head.json``."""
+    meta = read_head_config(folder)
+    kind = meta.get("kind")
+    if kind not in HEAD_KINDS:
+        raise UserError(f"{folder}/{HEAD_CONFIG}: unknown head kind '{kind}' (known: {', '.join(HEAD_KINDS)})")
+    if expect is not None and kind != expect:
+        raise UserError(f"{folder} holds a '{kind}' head, expected '{expect}'")
+    read_head_weights(folder)
+    return meta
 
 
 def load_head(folder, target: nn.Module | None = None, *, expect: str | None = None) -> nn.Module:
@@ -233,9 +277,21 @@ def load_head(folder, target: nn.Module | None = None, *, expect: str | None = N
             raise UserError(f"{folder}: {VOCAB_FILE} holds {len(vocab)} ids but head.json says "
                             f"{meta['draft_vocab'].get('size')}; the folder mixes two runs, retrain the head")
         extra["draft_vocab"] = vocab
-    head = kinds[kind].from_head_config(meta, target, **extra)
-    state = load_file(str(Path(folder) / HEAD_WEIGHTS))
-    head.load_trainable_state_dict(state)
+    if target is not None and isinstance(meta.get("target"), dict):
+        check_signature(meta["target"], target, folder)  # names the folder (the head's own check cannot)
+    try:
+        head = kinds[kind].from_head_config(meta, target, **extra)
+    except (KeyError, TypeError, ValueError) as exc:  # a field missing or of the wrong type
+        raise UserError(f"head folder {folder}: {HEAD_CONFIG} lacks or mistypes a field the '{kind}' head needs "
+                        f"({_reason(exc)}); copy the folder again or retrain the head") from None
+    state = read_head_weights(folder)
+    try:
+        head.load_trainable_state_dict(state)
+    except UserError as exc:  # tensors missing or unexpected
+        raise UserError(f"head folder {folder}: {exc}") from None
+    except RuntimeError as exc:  # a tensor of another shape
+        raise UserError(f"head folder {folder}: {HEAD_WEIGHTS} does not fit the head head.json describes "
+                        f"({_reason(exc)[:300]}); the folder mixes two runs, retrain the head") from None
     return head.eval()
 
 

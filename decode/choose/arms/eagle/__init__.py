@@ -10,6 +10,7 @@ from typing import Annotated
 
 from ....common.errors import UserError
 from ...heads import load_head
+from ...heads.common import check_head_folder
 from ....common.specs import Range
 from ..base import ArmEnv, register
 from .chain import EagleArm
@@ -20,7 +21,7 @@ __all__ = ["EagleArm", "EagleChainsArm", "EagleTreeArm"]
 TREES = ("chain", "dynamic")
 
 
-@register("eagle")
+@register("eagle", check=lambda typed: check_head_folder(typed["path"], expect="eagle"))
 def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None,
           K: Annotated[int, Range(1)] = 1, tree: str = "chain", nodes: Annotated[int, Range(1)] = 16,
           topk: Annotated[int, Range(1)] = 4, counterfactual: bool = False):
