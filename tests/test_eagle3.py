@@ -312,6 +312,36 @@ def test_recipe_section_validation_and_eagle3_recipe():
         EagleSection(ttt_decay=0.0)
 
 
+@pytest.mark.parametrize("layers,why", [([3, 1, 2], "must be ascending"), ([1, 1, 2], "must be distinct"),
+                                        ([1, 2], "exactly 3"), ([0, 1, 2, 3], "exactly 3"),
+                                        ([-1, 1, 2], "0..N-1")])
+def test_eagle3_layer_feature_layers_are_checked_at_config_time(layers, why):
+    """head.layer=eagle3 exists to export to speculators' EAGLE-3, which vLLM reads by collecting the aux states
+    of 3 distinct decoder-layer inputs in ascending order: anything else fails when the recipe is read, naming the
+    field and the fix."""
+    from toolkit.config import load_recipe
+    from toolkit.train.eagle import EagleRecipe
+
+    with pytest.raises(UserError, match="head.feature_layers") as err:
+        load_recipe(EagleRecipe, "recipes/heads/eagle3.yaml", [f"head.feature_layers={layers}".replace(" ", "")])
+    assert why in str(err.value) and "e.g. head.feature_layers=[" in str(err.value)
+    # the EAGLE-1 layer is a runtime-only style (no serving format reads it): any layers, in any order
+    assert EagleSection(features="fused", feature_layers=layers, layer="eagle1").feature_layers == layers
+
+
+def test_eagle3_layer_feature_layers_must_be_below_the_targets_layer_count():
+    """The range depends on the target: ids 0..N-1 (vLLM never collects N, the last layer's output); EAGLE-3's
+    default (2, N//2, N-3) is checked too (on a 4-layer target it is (2, 2, 1))."""
+    section = EagleSection(features="fused", feature_layers=[1, 2, 4], layer="eagle3")
+    with pytest.raises(UserError, match=r"head.feature_layers.*0\.\.N-1"):
+        section.layers(4)
+    assert section.layers(5) == (1, 2, 4)
+    with pytest.raises(UserError, match="set head.feature_layers explicitly"):
+        EagleSection(features="fused", layer="eagle3").layers(4)
+    assert EagleSection(features="fused", layer="eagle3").layers(30) == (2, 15, 27)
+    assert EagleSection(features="fused", feature_layers=[1, 2, 4]).layers(4) == (1, 2, 4)  # eagle1: unchecked
+
+
 # --------------------------------------------------------------------------- decoding with fused heads
 
 
@@ -406,14 +436,30 @@ def test_fused_head_sampling_follows_the_target(layer):
 
 # --------------------------------------------------------------------------- the recipe end to end
 
-def test_eagle3_recipe_trains_from_the_cli_then_decodes_losslessly(tiny_distilled):
+@pytest.fixture(scope="module")
+def tiny4_dir(tmp_path_factory, tiny_target_dir):
+    """A 4-layer tiny Llama with the tiny target's tokenizer (the distilled text reads the same): head.layer=eagle3
+    needs 3 distinct feature layers below N, which the 2-layer tiny target does not have."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("tiny4")
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    m = tiny_llama(vocab=len(tok), hidden=32, layers=4, seed=3)
+    m.config.eos_token_id = tok.eos_token_id
+    m.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+def test_eagle3_recipe_trains_from_the_cli_then_decodes_losslessly(tiny_distilled, tiny4_dir):
     from decode.core.models import load_model
     from toolkit.train import eagle
 
-    d, tiny, common = tiny_distilled
-    # the tiny target has 2 layers: EAGLE-3's default (2, N//2, N-3) needs 4, so name three of its states
-    argv = ["--recipe", "recipes/heads/eagle3.yaml", *common, f"out_dir={d}/eagle3", "head.feature_layers=[0,1,2]",
-            "open_text.fraction=0.3"]
+    d, _, common = tiny_distilled
+    tiny = tiny4_dir
+    # EAGLE-3's default (2, N//2, N-3) is (2, 2, 1) on a 4-layer target: name three of its states
+    argv = ["--recipe", "recipes/heads/eagle3.yaml", *common, f"target={tiny}", f"out_dir={d}/eagle3",
+            "head.feature_layers=[0,1,2]", "open_text.fraction=0.3"]
     assert eagle.main(argv) == 0
     report = json.loads((d / "eagle3" / "eval.json").read_text())
     assert report["feature"] == "fused target layers [0, 1, 2]"
@@ -451,7 +497,7 @@ def test_cali_ts_and_early_exit_read_the_final_state_beside_a_fused_arm():
 
 
 @pytest.mark.parametrize("style", ["eagle1", "eagle3"])
-def test_cached_features_train_the_same_head_as_on_the_fly(tiny_distilled, style):
+def test_cached_features_train_the_same_head_as_on_the_fly(tiny_distilled, tiny4_dir, style):
     """feature_cache.enabled=true (float32) reads back exactly what the target computes on the fly: the same
     data, the same steps, the same trained weights; a rerun reuses the cache."""
     from safetensors.torch import load_file
@@ -459,7 +505,7 @@ def test_cached_features_train_the_same_head_as_on_the_fly(tiny_distilled, style
     from toolkit.train import eagle
 
     d, tiny, common = tiny_distilled
-    extra = ["head.features=fused", "head.feature_layers=[0,1,2]", "head.ttt_steps=2",
+    extra = [f"target={tiny4_dir}", "head.features=fused", "head.feature_layers=[0,1,2]", "head.ttt_steps=2",
              "head.layer=eagle3"] if style == "eagle3" else []
     args = common + ["train.max_steps=2", "open_text.fraction=0", *extra]
     assert eagle.main(args + [f"out_dir={d}/fly_{style}"]) == 0

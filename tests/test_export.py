@@ -23,6 +23,35 @@ def target(tiny_target_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
 
 
+def saved_target(folder, tokenizer_dir, *, layers: int, tied: bool, seed: int = 5):
+    """A tiny random Llama of ``layers`` layers (tied embeddings or not) with the real tokenizer, saved to
+    ``folder`` and loaded back (its ``_name_or_path`` is the folder, as export reads it)."""
+    from transformers import LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=tied)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+@pytest.fixture(scope="module")
+def target4(tmp_path_factory, tiny_target_dir):
+    """4 layers: room for the 3 distinct feature layers below N that speculators' / vLLM's EAGLE-3 read."""
+    return saved_target(tmp_path_factory.mktemp("target4"), tiny_target_dir, layers=4, tied=False)
+
+
+@pytest.fixture(scope="module")
+def tied4(tmp_path_factory, tiny_target_dir):
+    """As target4 with tied embeddings (embed_tokens and lm_head one tensor), like the default target."""
+    m = saved_target(tmp_path_factory.mktemp("tied4"), tiny_target_dir, layers=4, tied=True, seed=6)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    return m
+
+
 def trained_head(target, tmp_path, *, zero_bias=False, name="head"):
     """An EAGLE head moved away from its init (so a dropped or misplaced tensor shows in the logits)."""
     head = EagleHead(target)
@@ -338,13 +367,14 @@ def test_the_default_eagle_head_keeps_its_input_norm_and_fc_bias(target, tmp_pat
 
 # --------------------------------------------------------------------------- EAGLE-3 heads → speculators' eagle3
 
-def eagle3_head(target, tmp_path, *, layer="eagle3", vocab=True, name="e3"):
-    """A fused head (feature layers 0, 1 of the 2-layer tiny target) with a draft vocabulary, away from its init."""
+def eagle3_head(target, tmp_path, *, layer="eagle3", vocab=True, name="e3", feature_layers=(1, 2, 3)):
+    """A fused head (by default feature layers 1, 2, 3 of a 4-layer target) with a draft vocabulary, away from its
+    init."""
     from decode.core.vocab import DraftVocab
 
     V = target.config.vocab_size
     dv = DraftVocab(torch.arange(5, V, 7), V) if vocab else None
-    head = EagleHead(target, feature_layers=(0, 1), layer=layer, draft_vocab=dv)
+    head = EagleHead(target, feature_layers=feature_layers, layer=layer, draft_vocab=dv)
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for p in head.trainable_parameters():
@@ -390,12 +420,13 @@ def eagle3_reference_logits(folder, target, rows, tokens):
 
 
 @torch.inference_mode()
-def test_eagle3_head_exports_to_speculators_eagle3(target, tmp_path):
+def test_eagle3_head_exports_to_speculators_eagle3(target4, tmp_path):
+    target = target4
     src, head = eagle3_head(target, tmp_path)
     out = tmp_path / "out"
     assert export(src, "--format", "speculators", "--out", out, "--num-speculative-tokens", 3) == 0
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1]
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert cfg["draft_vocab_size"] == len(head.draft_vocab) and cfg["norm_before_residual"] is False
     assert cfg["speculators_config"]["algorithm"] == "eagle3"
     assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
@@ -415,7 +446,7 @@ def test_eagle3_head_exports_to_speculators_eagle3(target, tmp_path):
     # an independent forward from the files alone drafts what the head drafts
     tokens = torch.randint(0, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
     states = target(input_ids=tokens, output_hidden_states=True).hidden_states
-    rows = torch.cat([states[0], states[1]], -1)[:, :-1]
+    rows = torch.cat([states[1], states[2], states[3]], -1)[:, :-1]
     ours = head.draft_logits(head(head.input_features(rows), tokens[:, 1:]))
     ref = eagle3_reference_logits(out, target, rows, tokens[:, 1:])
     kept = torch.isfinite(ours[0, 0])
@@ -427,7 +458,8 @@ def test_eagle3_head_exports_to_speculators_eagle3(target, tmp_path):
     assert not torch.equal(torch.isfinite(wrong[0, 0]), kept)
 
 
-def test_eagle3_export_without_a_draft_vocabulary(target, tmp_path):
+def test_eagle3_export_without_a_draft_vocabulary(target4, tmp_path):
+    target = target4
     src, head = eagle3_head(target, tmp_path, vocab=False)
     out = tmp_path / "out"
     assert export(src, "--format", "speculators", "--out", out) == 0
@@ -436,10 +468,71 @@ def test_eagle3_export_without_a_draft_vocabulary(target, tmp_path):
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == target.config.vocab_size
 
 
-def test_fused_heads_that_speculators_cannot_hold_are_refused(target, tmp_path, capsys):
+def test_fused_heads_that_speculators_cannot_hold_are_refused(target4, tmp_path, capsys):
+    target = target4
     src, _ = eagle3_head(target, tmp_path, layer="eagle1", name="e1layer")
     assert export(src, "--format", "speculators", "--out", tmp_path / "a") == 2
     assert "head.layer=eagle3" in capsys.readouterr().err and not (tmp_path / "a").exists()
     src3, _ = eagle3_head(target, tmp_path, name="e3b")
     assert export(src3, "--format", "eagle", "--out", tmp_path / "b") == 2
     assert "--format speculators" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+@torch.inference_mode()
+def test_eagle3_export_of_a_tied_target_without_a_draft_vocabulary(tied4, tmp_path):
+    """A target with tied embeddings (the default target's case) and a head drafting from the whole vocabulary:
+    embed_tokens and lm_head are one tensor, which safetensors refuses to write twice; the export writes two
+    equal tensors, reads back, and drafts the same logits."""
+    from toolkit.export_formats import load_speculators_eagle3_export
+
+    src, head = eagle3_head(tied4, tmp_path, vocab=False, name="tied")
+    out = tmp_path / "out"
+    assert export(src, "--format", "speculators", "--out", out) == 0
+    w = load_file(str(out / "model.safetensors"))
+    assert torch.equal(w["embed_tokens.weight"], tied4.model.embed_tokens.weight)
+    assert torch.equal(w["lm_head.weight"], tied4.lm_head.weight) and "d2t" not in w
+    assert json.loads((out / EXPORT_META).read_text())["max_abs_logit_diff"] <= 1e-5
+    back = load_speculators_eagle3_export(out, tied4)
+    torch.testing.assert_close(draft_logits(back, tied4, seed=4), draft_logits(head, tied4, seed=4), rtol=0, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_eagle3_export_writes_aux_layers_in_vllms_order(target4, tmp_path):
+    """vLLM collects the aux hidden states while running the target's layers, so in ascending layer order
+    whatever order eagle_aux_hidden_state_layer_ids lists them in, and feeds their concat to fc. A head whose
+    feature layers are distinct but unsorted is written with the ids ascending and fc's input blocks permuted to
+    match: the fused feature computed vLLM's way equals ours, and so do the draft logits."""
+    layers = (3, 1, 2)
+    src, head = eagle3_head(target4, tmp_path, feature_layers=layers, name="unsorted")
+    out = tmp_path / "out"
+    assert export(src, "--format", "speculators", "--out", out) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    w = load_file(str(out / "model.safetensors"))
+    tokens = torch.randint(0, target4.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    states = target4(input_ids=tokens, output_hidden_states=True).hidden_states
+    ours = head.input_features(torch.cat([states[i] for i in layers], -1))
+    aux = torch.cat([states[i] for i in sorted(cfg["eagle_aux_hidden_state_layer_ids"])], -1)  # vLLM's order
+    torch.testing.assert_close(aux @ w["fc.weight"].T, ours, rtol=1e-5, atol=1e-5)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    rows = aux[:, :-1]
+    mine = head.draft_logits(head(head.input_features(torch.cat([states[i] for i in layers], -1)[:, :-1]),
+                                  tokens[:, 1:]))
+    ref = eagle3_reference_logits(out, target4, rows, tokens[:, 1:])
+    kept = torch.isfinite(mine[0, 0])
+    torch.testing.assert_close(ref[..., kept], mine[..., kept], rtol=1e-5, atol=1e-5)
+    meta = json.loads((out / EXPORT_META).read_text())
+    assert meta["feature_layers"] == [1, 2, 3] and meta["max_abs_logit_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("layers,why", [((1, 2), "exactly 3"), ((1, 2, 3, 0), "exactly 3"), ((1, 1, 2), "once"),
+                                        ((-1, 1, 2), "never collect"), ((1, 2, 4), "never collect")])
+def test_eagle3_export_refuses_feature_layers_vllm_cannot_read_as_we_do(target4, tmp_path, capsys, layers, why):
+    """vLLM's EAGLE-3 fc fuses exactly 3 aux states, collected once each from the inputs of decoder layers
+    0..N-1: other counts, duplicates, -1 (post-norm final) and N cannot be written; the export says why and
+    writes nothing."""
+    src, _ = eagle3_head(target4, tmp_path, feature_layers=layers, name="bad")
+    out = tmp_path / "out"
+    assert export(src, "--format", "speculators", "--out", out) == 2
+    err = capsys.readouterr().err
+    assert "eagle_aux_hidden_state_layer_ids" in err and why in err and "head.feature_layers" in err
+    assert not out.exists()

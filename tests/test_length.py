@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.base import Arm
 from decode.choose.arms.model import DrafterModelArm
 from decode.core.draft import Outcome
 from decode.engine.loop import SpecEngine
@@ -170,3 +171,56 @@ def test_cali_ts_predictor_from_spec_string(tmp_path):
     assert isinstance(ctl, CaliTS) and ctl.predictor is top1_predictor and not ctl.needs_target_hidden
     with pytest.raises(UserError, match="make train-calibrator"):
         build_length(f"cali-ts:predictor={tmp_path / 'missing'}")
+
+
+class GreedyTreeArm(Arm):
+    """A deterministic tree arm: at each depth the target's own greedy token, then a wrong sibling after it, so
+    greedy verification accepts the whole depth; ``nodes`` = 2 · depth."""
+
+    name = "greedy-tree"
+
+    def __init__(self, model, L):
+        super().__init__(L)
+        self.model, self.max_nodes = model, 2 * L
+
+    def propose(self, context, max_len, keep_going=None):
+        from decode.core.draft import Draft
+
+        tokens, parents, prev = [], [], -1
+        for tok in plain_greedy(self.model, list(context), min(self.L, max_len)):
+            tokens += [tok, (tok + 1) % self.model.config.vocab_size]
+            parents += [prev, prev]
+            prev = len(tokens) - 2
+        return Draft(torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
+
+
+@pytest.mark.parametrize("spec", ["beta-ts", "cali-ts", "cost"])
+def test_tree_drafts_report_their_depth_to_the_length_controller(spec):
+    """A tree's 'drafted' for a length controller is its depth (the draft positions along a root path), not its
+    node count: a fully accepted depth-3 tree is a success at depths 1..3 and nothing at depth 4, which was never
+    drafted (the node count, 6, would record a rejection there)."""
+    model = tiny_llama(seed=1)
+    L = 3
+    arm = GreedyTreeArm(model, L)
+    seen = []
+
+    ctl = build_length(spec, seed=0)
+    update = ctl.update
+
+    def record(drafted, outcome, arm=0):
+        seen.append((drafted, outcome.accepted))
+        update(drafted, outcome, arm=arm)
+
+    ctl.update = record
+    eng = SpecEngine(Target(model), [arm], Verifier(SamplingConfig()))
+    prompt = [1, 2, 3, 4, 5, 1, 2]
+    gen = eng.generate(prompt, build_policy("fixed:arm=0", 1, eng.max_len, seed=0), 12, length=ctl)
+    assert gen.tokens == plain_greedy(model, prompt, 12)
+    assert [r.drafted for r in gen.rounds] == [2 * L, 2 * L, 2 * L]  # the record keeps the node count
+    if spec == "beta-ts":
+        assert ctl.params(0) == (1.0 + 3 * L, 1.0)  # no failure recorded
+    elif spec == "cali-ts":
+        assert ctl.counts(0) == (3, 3 * L, 3 * L)  # positions up to the first rejection = the accepted ones
+    else:
+        assert ctl.reached[0] == ctl.accepted[0] == [3] * L  # nothing reached at depth L + 1
+    assert seen == [(L, L)] * 3  # every round: depth 3 drafted, depth 3 accepted

@@ -19,7 +19,12 @@ What each artifact kind can become (anything else is refused, never approximated
   ``eagle3`` method): ``fc`` (our ``fuse``), ``layers.0.*``, ``norm``, ``lm_head`` (the draft vocabulary's rows
   of the target's LM head), ``embed_tokens`` (the target's) and the draft vocabulary as speculators stores it
   (``d2t`` offsets, ``t2d`` mask);
-  ``eagle_aux_hidden_state_layer_ids`` = our feature layers (both count the input of decoder layer i as i).
+  ``eagle_aux_hidden_state_layer_ids`` = our feature layers (both count the input of decoder layer i as i), written
+  ascending with ``fc``'s input blocks permuted to match: vLLM collects the aux states while it runs the target's
+  layers, so in ascending layer order whatever order the config lists, and sizes ``fc`` for exactly 3 of them
+  (:func:`eagle3_layer_problem`: 3 distinct layers in 0..N-1, or the export is refused; ``head.layer=eagle3``
+  recipes are checked the same way when they are read). A target with tied embeddings gets two equal tensors
+  (``embed_tokens``, ``lm_head``): safetensors writes no shared storage.
   Checked by reading the export back into an EagleHead (:func:`load_speculators_eagle3_export`): the same draft
   logits. A fused head with the EAGLE-1 layer (fc + the target's layer class) has no exact speculators form and
   is refused with the reason (train with ``head.layer=eagle3``).
@@ -183,6 +188,34 @@ def speculators_layout(state: dict[str, torch.Tensor], target_config, folder, *,
     return tensors, cfg, {"layers": 1, "passthrough_first_layer": False, "fc_bias": bias}
 
 
+EAGLE3_AUX_LAYERS = 3  # speculators' Eagle3DraftModel and vLLM's eagle3 drafters build fc for exactly 3 aux states
+
+
+def eagle3_layer_problem(layers, n_layers: int | None = None, *, ordered: bool = True) -> str | None:
+    """Why vLLM's ``eagle3`` method would not read ``layers`` (HF ``hidden_states`` ids; as
+    ``eagle_aux_hidden_state_layer_ids``, both count the input of decoder layer i as i) as our fused head does, or
+    None. vLLM appends the aux state of layer i when its decoder loop reaches layer i: each id once, in ascending
+    order whatever order the config lists, only for i in 0..N-1 (-1 = HF's post-norm final state and N = the last
+    layer's output are never collected), and its ``fc`` takes exactly 3. ``ordered``: also require ascending
+    (a recipe; the export permutes ``fc`` instead). ``n_layers`` None: the upper bound is not checked."""
+    layers = [int(i) for i in layers]
+    n = f"N = {n_layers}" if n_layers is not None else "N = the target's layer count"
+    if len(layers) != EAGLE3_AUX_LAYERS:
+        return (f"{len(layers)} layer(s) given; vLLM's and speculators' EAGLE-3 fc fuses exactly "
+                f"{EAGLE3_AUX_LAYERS} target layers")
+    if len(set(layers)) != len(layers):
+        return ("the layers must be distinct: vLLM collects each target layer once, so it would fuse fewer states "
+                "than fc reads")
+    bad = [i for i in layers if i < 0 or (n_layers is not None and i >= n_layers)]
+    if bad:
+        return (f"vLLM collects the inputs of decoder layers 0..N-1 ({n}) and would never collect {bad} (-1 is the "
+                "post-norm final state, N the last layer's output)")
+    if ordered and layers != sorted(layers):
+        return ("the layers must be ascending: vLLM collects them in ascending layer order whatever order they "
+                "are listed in, and fc's input blocks follow that order")
+    return None
+
+
 def speculators_eagle3_layout(head, target_config, folder, *, verifier: str, num_tokens: int) -> tuple[dict, dict, dict]:
     """(tensors, config.json, facts) of speculators' EAGLE-3 layout (Eagle3SpeculatorConfig) for a fused EagleHead
     with EAGLE-3's first layer (``layer: eagle3``)."""
@@ -193,13 +226,22 @@ def speculators_eagle3_layout(head, target_config, folder, *, verifier: str, num
             f"{'uses the EAGLE-1 layer (fc over [embedding, feature] + the target layer class)' if head.fused else 'is not fused'}"
             ". Retrain with `--recipe recipes/heads/eagle3.yaml` (head.layer=eagle3)")
     n_layers = target_config.num_hidden_layers
-    if n_layers in head.feature_layers:
-        raise UserError(f"{folder}: feature layer {n_layers} is HF's final state after the model norm, speculators' "
-                        f"layer {n_layers} the one before it; export needs feature layers below {n_layers}")
+    layers = list(head.feature_layers)
+    problem = eagle3_layer_problem(layers, n_layers, ordered=False)
+    if problem:
+        raise UserError(f"{folder}: feature layers {layers} cannot be written as speculators' "
+                        f"eagle_aux_hidden_state_layer_ids for this {n_layers}-layer target: {problem}. Retrain with "
+                        f"head.feature_layers set to {EAGLE3_AUX_LAYERS} distinct layers in 0..{n_layers - 1}")
     state = head.trainable_state_dict()
+    # vLLM concatenates the aux states in ascending layer order: write the ids so and permute fc's input blocks along
+    order = sorted(range(len(layers)), key=layers.__getitem__)
+    fc = state["fuse.weight"]
+    d = fc.shape[1] // len(layers)
+    fc = torch.cat([fc[:, j * d:(j + 1) * d] for j in order], 1) if order != sorted(order) else fc
+    aux_ids = [layers[j] for j in order]
     # the embedding too, as speculators' own checkpoints hold it: without it, speculators 0.9's from_pretrained was
     # seen to initialise embed_tokens at random instead of leaving it for load_verifier_weights to fill
-    tensors = {"fc.weight": state["fuse.weight"], "norm.weight": state["norm.weight"],
+    tensors = {"fc.weight": fc, "norm.weight": state["norm.weight"],
                "embed_tokens.weight": head.embed.weight.detach()}
     tensors.update({k[len("model."):]: v for k, v in state.items() if k.startswith(LAYER)})
     lm = head.lm_head.weight
@@ -227,12 +269,14 @@ def speculators_eagle3_layout(head, target_config, folder, *, verifier: str, num
         "fc_norm": False,
         "norm_output": False,
         "target_hidden_size": None,
-        "eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
+        "eagle_aux_hidden_state_layer_ids": aux_ids,
         "torch_dtype": "float32",
         "speculators_config": _speculators_config("eagle3", target_config, verifier, num_tokens),
     }
     facts = {"layers": 1, "passthrough_first_layer": False, "fc_bias": False, "eagle3": True,
-             "feature_layers": list(head.feature_layers), "draft_vocab_size": draft_size}
+             "feature_layers": aux_ids, "draft_vocab_size": draft_size}
+    if aux_ids != layers:
+        facts["head_feature_layers"] = layers  # the head's own order; fc's input blocks were permuted to aux_ids
     return tensors, cfg, facts
 
 
@@ -255,8 +299,12 @@ def load_speculators_eagle3_export(folder, target) -> torch.nn.Module:
     if "d2t" in state:
         ids = state["d2t"] + torch.arange(len(state["d2t"]))
         vocab = DraftVocab(ids, lm.shape[0])
-    head = EagleHead(target, feature_layers=tuple(cfg["eagle_aux_hidden_state_layer_ids"]), layer="eagle3",
-                     draft_vocab=vocab)
+    aux = [int(i) for i in cfg.get("eagle_aux_hidden_state_layer_ids") or ()]
+    problem = eagle3_layer_problem(aux, target.config.num_hidden_layers, ordered=False)
+    if problem:
+        raise UserError(f"{folder}: eagle_aux_hidden_state_layer_ids {aux} cannot be read as vLLM reads them: {problem}")
+    # in vLLM's order (ascending, whatever the config lists), so the head fuses what vLLM's fc is given
+    head = EagleHead(target, feature_layers=tuple(sorted(aux)), layer="eagle3", draft_vocab=vocab)
     want_rows = head.draft_rows(lm)
     if state["lm_head.weight"].shape != want_rows.shape or not torch.equal(state["lm_head.weight"], want_rows):
         raise UserError(f"{folder}: lm_head.weight is not the target's LM head (over the draft vocabulary); "
@@ -313,10 +361,20 @@ def load_eagle_export(folder, target) -> torch.nn.Module:
 
 
 def write_layout(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
-    """``model.safetensors`` + ``config.json`` of a layout into an existing folder."""
+    """``model.safetensors`` + ``config.json`` of a layout into an existing folder. Tensors that share storage
+    (``embed_tokens`` and ``lm_head`` of a target with tied embeddings) are written as separate copies:
+    safetensors refuses shared storage, and readers load each name on its own."""
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / WEIGHTS), metadata={"format": "pt"})
+    out, seen = {}, set()
+    for k, v in tensors.items():
+        v = v.detach().contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        if ptr in seen and v.numel():
+            v = v.clone()
+        seen.add(v.untyped_storage().data_ptr())
+        out[k] = v
+    save_file(out, str(folder / WEIGHTS), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -445,18 +503,17 @@ def export(artifact, fmt: str, out, *, target: str | None = None, num_tokens: in
             shutil.copytree(src, tmp, dirs_exist_ok=True)
             vllm_ok, why = True, ""
         else:
-            from safetensors.torch import load_file
-
-            from decode.choose.heads import HEAD_WEIGHTS, read_head_config
+            from decode.choose.heads import read_head_config
+            from decode.choose.heads.common import read_head_weights
             from decode.core.models import load_model
             head_cfg = read_head_config(src)
+            state = read_head_weights(src)  # a damaged or missing file: one error naming the folder, before any load
             target = target or head_cfg.get("target_spec") or head_cfg.get("target", {}).get("name_or_path")
             if not target:
                 raise UserError(f"{src}/head.json does not name its target; pass --target")
             model, _ = load_model(target)
             from decode.choose.heads.common import check_signature
             check_signature(head_cfg.get("target", {}), model, src)
-            state = load_file(str(src / HEAD_WEIGHTS))
             eagle3 = bool(head_cfg.get("feature_layers"))
             if eagle3 and fmt == "eagle":
                 raise UserError(f"{src} is an EAGLE-3 (fused) head; EAGLE-1's layout has no slot for fused target "

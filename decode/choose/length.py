@@ -1,7 +1,8 @@
 """Draft-length controllers (within a round, ALGORITHMS.md §4). They compose with any arm and any
 arm-selection policy: the engine asks for a fresh ``keep_going(arm)`` callback before each draft, the
 arm calls it before drafting token i ≥ 1 (token 0 is always drafted, the arm's L is the hard cap), and
-the engine reports the verification outcome with ``update(drafted, outcome, arm)``.
+the engine reports the verification outcome with ``update(drafted, outcome, arm)``; ``drafted`` counts draft
+positions along a path: a chain's length, a tree's (or K merged chains') depth, never its node count.
 
 Learnt state is kept PER ARM (keyed by the arm's index in the engine): EESD has one drafter, a pool
 has several whose acceptance rates differ, and one shared posterior would mix them.
@@ -72,8 +73,9 @@ class LengthController:
         return []
 
     def update(self, drafted: int, outcome: Outcome, arm: int = 0) -> None:
-        """Learn from the round arm ``arm`` just had verified. ``outcome`` is the verifier's, before any
-        EOS truncation: an accepted token after an EOS is still evidence about the drafter."""
+        """Learn from the round arm ``arm`` just had verified. ``drafted``: the draft's positions along a path (a
+        tree's depth, not its nodes). ``outcome`` is the verifier's, before any EOS truncation: an accepted token
+        after an EOS is still evidence about the drafter."""
 
     def observe_target(self, hidden) -> None:
         """Target's last-layer hidden state at the last verified position (only when the target
@@ -313,7 +315,7 @@ class CostAware(LengthController):
         """With ``len(confs)`` = i tokens drafted (their confidences): (draft token i?, E_i, cost(i))."""
         i, d = len(confs), self.draft_cost.get(arm, 0.0)
         expected, prefix = 1.0, 1.0
-        for q in confs:  # E_i = 1 + Σ_{m ≤ i} Π_{j < m} â(q_j)
+        for q in confs:  # E_i = 1 + Σ_{m ≤ i} Π_{j ≤ m} â(q_j)
             prefix *= self.calibrated(arm, q)
             expected += prefix
         cost = self._cost(i, d, context)

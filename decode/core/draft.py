@@ -123,6 +123,9 @@ class RoundRecord:
     max_len: int = 0  # the arm's preset speculation length γ = L (BE divides by it)
     step_time: float = 0.0  # seconds of one autoregressive step (one-token target forward): the throughput unit
     extra_target_forwards: int = 0  # target forwards an arm ran itself this round (beyond the verification)
+    # draft positions along the longest root path: a tree's or K chains' depth (``drafted`` counts its nodes);
+    # None for a chain, whose depth is ``drafted``
+    depth: int | None = None
     # counterfactual records (decode/choose/feedback.py): ``counterfactual`` marks a record of an arm that was NOT
     # played (scored against the verified tokens, no target forward); ``exact`` is False when its accepted
     # count is an estimate (sampling) rather than what playing it would have given (greedy).
@@ -131,6 +134,11 @@ class RoundRecord:
     # the played round's full-information vector, arm -> record (the played arm's is this record), filled
     # in once every scored arm's outcome is known (a round or two later); None when nothing was scored
     feedback: "dict[int, RoundRecord] | None" = None
+
+    @property
+    def positions(self) -> int:
+        """Draft positions a path of this round reached (what per-position acceptance conditions on)."""
+        return self.drafted if self.depth is None else self.depth
 
     @property
     def y(self) -> int:

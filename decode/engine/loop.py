@@ -30,6 +30,7 @@ from ..core.models import eos_token_ids
 from ..choose.policies.base import Policy
 from ..core.sampling import SamplingConfig
 from ..core.target import Target
+from ..core.tree import depths
 from ..core.verify import Verifier
 
 
@@ -258,13 +259,17 @@ class SpecEngine:
                 break
         self.commit(state, new, hidden)
         # accepted draft tokens cut off by EOS are not counted: new = kept draft tokens (+ the bonus)
+        depth = _depth(draft)
         rec = RoundRecord(arm=i, drafted=len(draft), accepted=min(outcome.accepted, len(new)),
                           new_tokens=len(new), draft_time=t1 - t0, verify_time=t4 - t1, tv=outcome.tv,
                           accept_prob=outcome.accept_prob, max_len=a.L, step_time=self.step_time,
-                          extra_target_forwards=self._arm_target_forwards() - f0)
+                          extra_target_forwards=self._arm_target_forwards() - f0,
+                          depth=depth if depth != len(draft) else None)
         state.rounds.append(rec)
         state.policy.update(i, rec)
-        state.length.update(len(draft), outcome, arm=i)
+        # the controllers count draft positions along a path (a chain's length): a tree's or K chains' depth,
+        # not its node count (a fully accepted depth-3 tree is no rejection at a depth 4 never drafted)
+        state.length.update(depth, outcome, arm=i)
         state.length.observe_round(rec)
         if live_feedback:
             self.scorer.observe_live(rec)
@@ -314,6 +319,13 @@ class SpecEngine:
         while not state.done:
             self.step(state)
         return self.finish(state)
+
+
+def _depth(draft) -> int:
+    """Draft positions along the longest root path: ``len(draft)`` for a chain, the depth for a tree."""
+    if draft.parents is None or not draft.is_tree:
+        return len(draft)
+    return int(depths(draft.parents).max())
 
 
 def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfig, generator: torch.Generator, *,

@@ -80,16 +80,43 @@ class EagleSection:
         if self.layer == "eagle3" and (self.features != "fused" or not self.input_norm):
             raise UserError("head.layer=eagle3 is EAGLE-3's first layer: it reads fused target layers and normalises "
                             "its inputs; set head.features=fused and keep head.input_norm=true (or use head.layer=eagle1)")
+        if self.layer == "eagle3" and self.feature_layers is not None:
+            self._check_eagle3_layers(self.feature_layers, None)
         if self.ttt_steps < 1:
             raise UserError(f"head.ttt_steps must be >= 1 (1 = no training-time test), got {self.ttt_steps}")
         if not 0 < self.ttt_decay <= 1:
             raise UserError(f"head.ttt_decay must be in (0, 1], got {self.ttt_decay}")
 
+    def _check_eagle3_layers(self, layers, n_layers: int | None) -> None:
+        """``head.layer=eagle3`` is the layout speculators' EAGLE-3 holds and vLLM serves: its feature layers must be
+        what vLLM collects and fuses as we do (toolkit/export_formats.py ``eagle3_layer_problem``); ``n_layers``
+        None = the target is not known yet (the upper bound is checked by :meth:`layers`)."""
+        from toolkit.export_formats import eagle3_layer_problem
+
+        problem = eagle3_layer_problem(layers, n_layers, ordered=True)
+        if problem is None:
+            return
+        top = n_layers - 1 if n_layers is not None else "N-1"
+        if self.feature_layers is not None:
+            given = f"head.feature_layers={list(layers)}"
+        else:
+            given = (f"head.feature_layers (null: EAGLE-3's default (2, N//2, N-3) = {list(layers)} on this "
+                     f"{n_layers}-layer target; set head.feature_layers explicitly)")
+        fixed = sorted({int(i) for i in layers if int(i) >= 0 and (n_layers is None or int(i) < n_layers)})
+        example = "[" + ",".join(map(str, fixed)) + "]" if len(fixed) == 3 else "[a,b,c]"
+        raise UserError(f"{given} with head.layer=eagle3: {problem}. Give 3 distinct target layers in ascending "
+                        f"order, 0 <= a < b < c <= {top}: e.g. head.feature_layers={example} (or use head.layer=eagle1, "
+                        "which no serving format reads)")
+
     def layers(self, n_layers: int) -> tuple[int, ...] | None:
-        """The head's ``feature_layers`` for an ``n_layers``-layer target (None = EAGLE-1)."""
+        """The head's ``feature_layers`` for an ``n_layers``-layer target (None = EAGLE-1); ``layer: eagle3`` ones
+        checked against the target (3 distinct, ascending, in 0..N-1: what vLLM's eagle3 reads as we do)."""
         if self.features != "fused":
             return None
-        return tuple(self.feature_layers) if self.feature_layers is not None else eagle3_layers(n_layers)
+        layers = tuple(self.feature_layers) if self.feature_layers is not None else eagle3_layers(n_layers)
+        if self.layer == "eagle3":
+            self._check_eagle3_layers(layers, n_layers)
+        return layers
 
 
 @dataclass
@@ -227,26 +254,49 @@ def make_loss(section: EagleSection):
 
 
 @torch.inference_mode()
-def heldout_agreement(module: EagleTrainModule, examples, progress: bool = True, steps: int = 1) -> dict:
+def heldout_agreement(module: EagleTrainModule, examples, progress: bool = True, steps: int = 1,
+                      per_example: bool = False) -> dict:
     """Top-1 agreement and 1 − TV with the target, teacher forced (true features in, one step ahead), and with
-    ``steps`` > 1 also per unrolled step (the head on its own outputs, as in drafting: ``by_step``)."""
+    ``steps`` > 1 also per unrolled step (the head on its own outputs, as in drafting: ``by_step``).
+
+    Positions: every response token (the first included), each predicted from the target's features of the text
+    before it. ``top1_agreement`` compares the head's top token with the target's argmax there (what a greedy
+    verifier accepts); ``reference_agreement`` with the example's own token (equal on greedy-distilled text).
+    ``per_example``: also each example's step-0 tokens (``per_example``: {drafts, target, reference}), the
+    training-side counterpart of decode/choose/arms/eagle/teacher.py's decode-side forcing (issue 31)."""
     from tqdm.auto import tqdm
 
     module.eval()
     dev = next(module.head.parameters()).device
     tot = [{"n": 0, "agree": 0.0, "overlap": 0.0} for _ in range(steps)]
+    ref_hits, rows = 0, []
     for ex in tqdm(examples, desc="held-out agreement", disable=not progress):
         inputs = {k: torch.tensor([ex[k]], device=dev) for k in ("input_ids", "attention_mask", "labels")}
-        for t, step in zip(tot, unroll(module, inputs, 0.0, steps)):
-            if step.pred.shape[0]:
-                s = position_stats(step.p_logits, module.head.draft_logits(step.pred).float())
-                for k in t:
-                    t[k] += s[k]
+        for s, (t, step) in enumerate(zip(tot, unroll(module, inputs, 0.0, steps))):
+            if not step.pred.shape[0]:
+                if s == 0 and per_example:
+                    rows.append({"drafts": [], "target": [], "reference": []})
+                continue
+            q_logits = module.head.draft_logits(step.pred).float()
+            stats = position_stats(step.p_logits, q_logits)
+            for k in t:
+                t[k] += stats[k]
+            if s == 0:  # the labels of the kept slots, in unroll's order (slot j predicts token j+2)
+                labels = inputs["labels"]
+                ref = _shift(labels, 2, labels.shape[1] - 1, -100)
+                ref = ref[ref != -100]
+                drafts = q_logits.argmax(-1)
+                ref_hits += int((drafts == ref).sum())
+                if per_example:
+                    rows.append({"drafts": drafts.tolist(), "target": step.p_logits.argmax(-1).tolist(),
+                                 "reference": ref.tolist()})
     rates = [{"positions": t["n"], "top1_agreement": t["agree"] / max(t["n"], 1),
               "acceptance": t["overlap"] / max(t["n"], 1)} for t in tot]
-    report = {"examples": len(examples), **rates[0]}
+    report = {"examples": len(examples), **rates[0], "reference_agreement": ref_hits / max(tot[0]["n"], 1)}
     if steps > 1:
         report["by_step"] = rates
+    if per_example:
+        report["per_example"] = rows
     return report
 
 
