@@ -152,6 +152,13 @@ def _error(resp: httpx.Response) -> dict:
     ("/v1/completions", {"model": "M", "prompt": ["a", "b"]}, 400, "batch"),
     ("/v1/completions", {"model": "M", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/nothing", {}, 404, "Not Found"),
+    # what json.loads raises besides JSONDecodeError, and strings that are not Unicode text: 400s, never a 500
+    ("/v1/completions", b'{"model": "M", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", 400, "not valid JSON"),
+    ("/v1/completions", b"[" * 5000 + b"]" * 5000, 400, "nested too deeply"),
+    ("/v1/completions", {"model": "M", "prompt": "\ud800"}, 400, "prompt: a lone UTF-16 surrogate"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "\udfff"}]}, 400,
+     "messages.0.content: a lone UTF-16 surrogate"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "\ud800": 1}, 400, "surrogate"),
 ])
 def test_bad_input_is_a_4xx_with_an_openai_error_body(server, path, body, status, needle):
     if isinstance(body, dict) and body.get("model") == "M":
@@ -324,3 +331,20 @@ def test_the_cli_serves_and_saves_its_state_on_ctrl_c(echo_target_dir, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_metrics_count_a_tree_rounds_positions_along_its_depth_not_its_nodes():
+    """A fully accepted tree of 6 nodes and depth 3 reached positions 1..3, all accepted; nothing at 4..6."""
+    from prometheus_client import generate_latest
+    from decode.commands.serve.metrics import ServerMetrics
+    from decode.core.draft import RoundRecord
+    m = ServerMetrics()
+    m.round(RoundRecord(arm=0, drafted=6, accepted=3, new_tokens=4, draft_time=0.0, verify_time=0.0, depth=3), "t")
+    m.round(RoundRecord(arm=0, drafted=2, accepted=1, new_tokens=2, draft_time=0.0, verify_time=0.0), "chain")
+    text = generate_latest(m.registry).decode()
+    drafted = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("adaspec_drafted_at_position_total{")}
+    rate = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("adaspec_acceptance_rate{")}
+    assert drafted == {"1": 2.0, "2": 2.0, "3": 1.0}
+    assert rate == {"1": 1.0, "2": 0.5, "3": 1.0}

@@ -29,7 +29,7 @@ from ...core.sampling import SamplingConfig
 from ...common.specs import split_specs
 from ...evaluation.suites import encode_prompt
 from ..generate import load_engine
-from .app import ServeConfig, create_app
+from .app import BODY_BYTES_PER_TOKEN, BODY_SLACK, ServeConfig, create_app, default_max_body_bytes
 from .metrics import ServerMetrics
 from .worker import Worker
 
@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds from a request's arrival to its last token, queueing included (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for the engine; more are answered 503 (default: %(default)s)")
+    p.add_argument("--max-body-bytes", type=int,
+                   help="the largest request body read, in bytes; a larger one is answered 413 as soon as its "
+                        "Content-Length (or what has arrived) passes it, without reading the rest (default: "
+                        f"{BODY_BYTES_PER_TOKEN} bytes per token of the context + {BODY_SLACK // 1024} KiB, "
+                        f"e.g. {default_max_body_bytes(8192)} for a context of 8192)")
     p.add_argument("--state-file",
                    help="where the policy's learnt state is kept across restarts (default: one file per target, arms "
                         "and policy under ~/.cache/adaspec/serve/; 'none' = do not keep it)")
@@ -88,7 +93,8 @@ def arm_specs(args) -> list[str]:
 def check_args(args) -> None:
     """Everything that needs no model."""
     for flag, v, lo in (("--port", args.port, 0), ("--max-queue", args.max_queue, 1), ("--threads", args.threads, 1),
-                        ("--max-model-len", args.max_model_len, 2), ("--seed", args.seed, 0)):
+                        ("--max-model-len", args.max_model_len, 2), ("--seed", args.seed, 0),
+                        ("--max-body-bytes", args.max_body_bytes, 1)):
         if v is not None and v < lo:
             raise UserError(f"{flag} must be an integer >= {lo}, got {v}")
     if args.port > 65535:
@@ -130,7 +136,8 @@ def build_server(args, err=sys.stderr):
     name = args.served_model_name or args.target
     worker = Worker(engine, tok, gen, args.policy, metrics=ServerMetrics(), max_queue=args.max_queue,
                     state_file=state, target=args.target, seed=args.seed)
-    cfg = ServeConfig(model_name=name, context=context, request_timeout=args.request_timeout)
+    cfg = ServeConfig(model_name=name, context=context, request_timeout=args.request_timeout,
+                      max_body_bytes=args.max_body_bytes)
     notes = [f"arms: {', '.join(labels)}", f"policy: {args.policy}"]
     if not worker.policy.carry:
         notes.append("the policy learns per request only (add carry=true to learn across requests)")
@@ -163,8 +170,7 @@ def run(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        worker.stop()
-        if worker.state_file is not None and worker.policy.carry:
+        if worker.stop():  # cancels what is queued and running, joins the worker, then saves
             print(f"policy state saved to {worker.state_file} ({worker.requests_learnt} requests learnt)",
                   file=sys.stderr)
     return 0

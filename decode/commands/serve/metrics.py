@@ -49,7 +49,7 @@ class ServerMetrics:
     def round(self, rec: RoundRecord, label: str) -> None:
         """One round the engine played."""
         self.pulls.labels(label).inc()
-        for i in range(1, rec.drafted + 1):
+        for i in range(1, rec.positions + 1):  # a tree's depth, not its node count
             self._drafted[i] = self._drafted.get(i, 0) + 1
             self.drafted.labels(str(i)).inc()
             if i <= rec.accepted:

@@ -10,6 +10,7 @@ are refused by name rather than ignored; bookkeeping fields (``user``, ``metadat
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -21,9 +22,10 @@ class APIError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with HTTP ``status``."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers  # extra response headers (e.g. Connection: close on a body left unread)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -166,14 +168,86 @@ class CompletionRequest(_Common):
         return p
 
 
-def parse_request(body: bytes, model: type[_Common]) -> _Common:
-    """The request object from raw JSON, or an APIError naming what is wrong (never a 500)."""
+def _shown(x) -> str:
+    """``x`` as text that can be sent back (a lone surrogate escaped, never raw)."""
+    return str(x).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def check_text(data) -> None:
+    """Refuse a lone UTF-16 surrogate (an unpaired ``\\ud800`` escape) in any string or key of the parsed body: it
+    is not Unicode text, so no tokenizer can encode it and no answer could echo it. A 400 naming where it is."""
+    stack = [((), data)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, str):
+            if not _is_text(x):
+                _refuse_surrogate(path, x)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                if not _is_text(k):
+                    _refuse_surrogate(path + (k,), k)
+                stack.append((path + (k,), v))
+        elif isinstance(x, list):
+            stack.extend((path + (i,), v) for i, v in enumerate(x))
+
+
+def _refuse_surrogate(path: tuple, s: str):
+    ch = next(c for c in s if 0xD800 <= ord(c) <= 0xDFFF)
+    where = ".".join(_shown(p) for p in path) or "body"
+    raise APIError(400, f"{where}: a lone UTF-16 surrogate ({_shown(ch)}) is not valid Unicode text; send well-formed "
+                        "UTF-8 (a character beyond U+FFFF escaped as a surrogate pair)",
+                   param=_shown(path[0]) if path else None)
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _may_hold_surrogates(body: bytes) -> bool:
+    """Whether the raw JSON could decode to a surrogate: a \\uD800-\\uDFFF escape, one encoded as UTF-8 bytes
+    (json.loads lets those through), or a body in UTF-16/32 (a BOM or NULs up front), checked whole. Most
+    bodies are none of these, and skip the walk over every string."""
+    if b"\x00" in body[:4] or not body[:1].isascii():
+        return True
+    return _SURROGATE_SOURCE.search(body) is not None
+
+
+_SURROGATE_SOURCE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _check_counts(data: dict, context: int) -> None:
+    """Lists that cannot fit the context, refused before validation (pydantic takes about a second over 200k
+    messages, holding the interpreter)."""
+    msgs = data.get("messages")
+    if isinstance(msgs, list) and len(msgs) > context:
+        raise APIError(400, f"messages: {len(msgs)} messages cannot fit the model's context of {context} tokens "
+                            "(each message takes at least one token)", param="messages",
+                       code="context_length_exceeded")
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > context and isinstance(prompt[0], int):
+        raise APIError(400, f"prompt: {len(prompt)} token ids cannot fit the model's context of {context} tokens",
+                       param="prompt", code="context_length_exceeded")
+
+
+def parse_request(body: bytes, model: type[_Common], context: int | None = None) -> _Common:
+    """The request object from raw JSON, or an APIError naming what is wrong (never a 500). With ``context``
+    (the model's, in tokens), lists longer than it are refused before validation."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the body is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        # ValueError: bad JSON, bad UTF-8, an integer past Python's digit limit; RecursionError: nesting too deep
+        why = "nested too deeply" if isinstance(exc, RecursionError) else _shown(exc)
+        raise APIError(400, f"the body is not valid JSON ({why})") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    if _may_hold_surrogates(body):
+        check_text(data)
+    if context is not None:
+        _check_counts(data, context)
     try:
         req = model.model_validate(data)
     except ValidationError as exc:

@@ -6,6 +6,12 @@ strings, an optional arm subset) and a thread-safe event channel back to the HTT
 rounds the worker checks the job's cancel flag (a client that disconnected) and its deadline, so the engine is
 free again within one round.
 
+If the thread dies (an error no request can be answered for, e.g. a fatal ``BaseException``), the request it
+was decoding and every queued one fail at once with a 503 naming the reason, new ones are refused with it, and
+``down()`` (what ``/health`` reports) says why. ``stop`` refuses new requests, cancels the queued ones and the
+running one (it ends at its next round boundary), waits for the thread to end and only then saves the policy
+state, so no save ever reads the policy while a round updates it.
+
 Learning across requests: the server's policy is built once (``carry=true`` keeps what it learnt from one
 request to the next) and its state is written to the state file after every request and on shutdown, and read
 back at start. A request that names its own arm subset gets a fresh policy of the same spec over that subset
@@ -30,7 +36,7 @@ from ...common import metrics as m
 from ...engine.loop import SpecEngine
 from ...common.errors import UserError
 from ..generate import IncrementalText, decode_text, decoding_seconds
-from ...common.io import atomic_write_json
+from ...common.io import atomic_write_text
 from ...choose.policies import build_policy
 from ...choose.policies.simple import Fixed
 from ...choose.policies.state import load_policy_state, policy_state
@@ -113,8 +119,9 @@ class StopText:
 
 
 class Worker:
-    """The engine's owner. ``submit`` queues a job (503 when the queue is full); ``start``/``stop`` run the
-    thread; ``stop`` saves the policy state."""
+    """The engine's owner. ``submit`` queues a job (503 when the queue is full, the server is stopping or the
+    thread has died); ``start``/``stop`` run the thread; ``stop`` cancels every job, joins, then saves the
+    policy state."""
 
     def __init__(self, engine: SpecEngine, tokenizer, generator: torch.Generator, policy_spec: str, *,
                  metrics: ServerMetrics, max_queue: int = 64, state_file: str | Path | None = None,
@@ -132,6 +139,11 @@ class Worker:
         self._subsets: dict[tuple[int, ...], SpecEngine] = {}
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one state write at a time (worker thread vs shutdown)
+        # submit vs stop/death: once either has emptied the queue, no job can enter it unanswered
+        self._gate = threading.Lock()
+        self._current: Job | None = None  # the job being decoded
+        self._stopping = False
+        self.failure: str | None = None  # why the thread died ("ExceptionType: message"); None while it lives
         self._decode_text = decode_text(tokenizer)
         if self.state_file is not None and self.state_file.exists():
             self._load_state()
@@ -157,13 +169,16 @@ class Worker:
         self.requests_learnt = int(saved.get("requests", 0))
         log.info("policy state loaded from %s (%d requests learnt)", path, self.requests_learnt)
 
-    def save_state(self) -> None:
-        """Write the policy's state (atomically: a crash mid-write leaves the previous file)."""
+    def save_state(self) -> bool:
+        """Write the policy's state (atomically and fsynced: a crash mid-write leaves the previous file);
+        whether there was a state to write."""
         if self.state_file is None or not self.policy.carry:
-            return
+            return False
         with self._lock:
-            atomic_write_json(self.state_file, {**self._state_header(), "requests": self.requests_learnt,
-                                                "saved_unix": time.time(), "policy": policy_state(self.policy)})
+            state = {**self._state_header(), "requests": self.requests_learnt, "saved_unix": time.time(),
+                     "policy": policy_state(self.policy)}
+            atomic_write_text(self.state_file, json.dumps(state, indent=1, ensure_ascii=False) + "\n")
+        return True
 
     # ---- the queue ---------------------------------------------------------------------------------------
 
@@ -176,14 +191,27 @@ class Worker:
             raise APIError(400, "adaspec.arms: an arm is named twice", param="adaspec")
         return tuple(sorted(self.labels.index(x) for x in labels))
 
+    def down(self) -> str | None:
+        """Why no request can be decoded now (the thread died, the server is stopping, the thread is not
+        running), or None while the worker serves."""
+        if self.failure is not None:
+            return f"the decoding worker died ({self.failure}); restart the server"
+        if self._stopping:
+            return "the server is shutting down"
+        if not self.alive():
+            return "the decoding worker is not running"
+        return None
+
     def submit(self, job: Job) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            raise APIError(503, "the decoding worker is not running", type="server_error")
-        try:
-            self.queue.put_nowait(job)
-        except queue.Full:
-            raise APIError(503, f"the server is busy: {self.queue.maxsize} requests are already waiting; retry "
-                                "later", type="server_error", code="queue_full") from None
+        with self._gate:
+            down = self.down()
+            if down is not None:
+                raise APIError(503, down, type="server_error", code="worker_unavailable")
+            try:
+                self.queue.put_nowait(job)
+            except queue.Full:
+                raise APIError(503, f"the server is busy: {self.queue.maxsize} requests are already waiting; retry "
+                                    "later", type="server_error", code="queue_full") from None
         self.metrics.queue.set(self.queue.qsize())
 
     def start(self) -> None:
@@ -193,27 +221,78 @@ class Worker:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what is queued, let the running request end within a round, save the state."""
+    def _take_all(self) -> list[Job]:
+        """Empty the queue (under ``_gate``): the jobs that were waiting."""
+        jobs = []
         while True:
             try:
                 job = self.queue.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
-                job.cancelled.set()
-                job.emit("error", APIError(503, "the server is shutting down", type="server_error"))
+                jobs.append(job)
+        self.metrics.queue.set(0)
+        return jobs
+
+    def _fail(self, jobs: list[Job], err: APIError) -> None:
+        for job in jobs:
+            job.cancelled.set()
+            self.metrics.requests.labels(job.endpoint, str(err.status)).inc()
+            job.emit("error", err)
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Refuse new requests, answer the queued ones 503, cancel the running one (it ends at its next round
+        boundary, learning what its rounds taught), wait up to ``timeout`` s for the thread to end, then save
+        the policy state. The state is not saved while the thread is still running (a round may be updating
+        the policy) nor after it died (it may have died mid-update): the file then keeps the last state saved
+        after a whole request. Returns whether the state was saved."""
+        err = APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        with self._gate:
+            self._stopping = True
+            queued = self._take_all()
+            running = self._current
+        self._fail(queued, err)
+        if running is not None:  # the worker sees it between rounds, counts it cancelled and answers the 503
+            running.cancelled.set()
         if self._thread is not None and self._thread.is_alive():
-            self.queue.put(None)
+            self.queue.put(None)  # wakes a worker waiting on an empty queue
             self._thread.join(timeout)
-        self.save_state()
+            if self._thread.is_alive():
+                log.warning("the decoding worker did not stop within %g s; the policy state is not saved now "
+                            "(the file keeps the state after the last whole request)", timeout)
+                return False
+        if self.failure is not None:
+            log.warning("the decoding worker died (%s); the policy state is not saved (the file keeps the state "
+                        "after the last whole request)", self.failure)
+            return False
+        return self.save_state()
 
     def _run(self) -> None:
+        try:
+            self._serve_queue()
+        except BaseException as exc:  # the thread is dying: nobody will decode what waits, so answer it now
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        log.critical("the decoding worker died:\n%s", traceback.format_exc())
+        reason = type(exc).__name__ + (f": {exc}" if str(exc) else "")
+        with self._gate:
+            self.failure = reason
+            jobs = ([self._current] if self._current is not None else []) + self._take_all()
+            self._current = None
+        self.metrics.running.set(0)
+        self._fail(jobs, APIError(503, self.down(), type="server_error", code="worker_unavailable"))
+
+    def _serve_queue(self) -> None:
         while True:
             job = self.queue.get()
             self.metrics.queue.set(self.queue.qsize())
             if job is None:
                 return
+            if self._stopping:  # taken after stop emptied the queue
+                self._fail([job], APIError(503, "the server is shutting down", type="server_error",
+                                           code="shutting_down"))
+                continue
             if job.cancelled.is_set():  # its client left while it waited
                 self.metrics.requests.labels(job.endpoint, "cancelled").inc()
                 continue
@@ -222,6 +301,7 @@ class Worker:
                 job.emit("error", _timeout(job))
                 continue
             self.metrics.running.set(1)
+            self._current = job
             try:
                 self._decode(job)
             except Exception as exc:  # a bug must not kill the server: answer it and go on to the next job
@@ -231,8 +311,8 @@ class Worker:
                                    type="server_error")
                 self.metrics.requests.labels(job.endpoint, str(exc.status)).inc()
                 job.emit("error", exc)
-            finally:
-                self.metrics.running.set(0)
+            self._current = None  # not on a BaseException: _die answers the job it was decoding
+            self.metrics.running.set(0)
 
     # ---- one request -------------------------------------------------------------------------------------
 
@@ -268,7 +348,7 @@ class Worker:
                 job.emit("text", piece)
 
         while not state.done:
-            if job.cancelled.is_set():
+            if job.cancelled.is_set() or self._stopping:
                 outcome = "cancelled"
                 break
             if time.monotonic() > job.deadline:
@@ -298,6 +378,9 @@ class Worker:
             return
         if outcome == "cancelled":
             self.metrics.requests.labels(job.endpoint, "cancelled").inc()
+            if self._stopping:  # cancelled by stop(): its client (if still there) hears why
+                job.emit("error", APIError(503, "the server is shutting down", type="server_error",
+                                           code="shutting_down"))
             return
         end = time.monotonic()
         self.metrics.latency.observe(end - job.arrival)
