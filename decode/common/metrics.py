@@ -103,11 +103,10 @@ def speedup_warnings(baseline_tps: Sequence[float], baseline_tokens: int,
     return out
 
 
-def acceptance_per_position(accepted: Iterable[int], drafted: Iterable[int]) -> list[float]:
-    """Per draft position i = 1, 2, ...: P(token i accepted | a draft reached position i), the curve EAGLE and
-    vLLM report. Over rounds (``accepted[k]`` of ``drafted[k]`` tokens, accepted ones a prefix): rounds whose
-    accepted prefix reaches i / rounds whose draft reaches i. Conditioning on the draft's length keeps arms
-    that often draft short (a PLD miss) comparable; empty when nothing was drafted."""
+def reach_counts(accepted: Iterable[int], drafted: Iterable[int]) -> list[tuple[int, int]]:
+    """Per draft position i = 1, 2, ...: (rounds whose draft reaches i, rounds whose accepted prefix reaches i),
+    over rounds that accepted ``accepted[k]`` of ``drafted[k]`` tokens (accepted ones a prefix): the counts behind
+    :func:`acceptance_per_position`, kept apart so reports can put binomial errors on it."""
     reach_drafted: list[int] = []
     reach_accepted: list[int] = []
     for a, d in zip(accepted, drafted, strict=True):
@@ -121,4 +120,13 @@ def acceptance_per_position(accepted: Iterable[int], drafted: Iterable[int]) -> 
             reach_drafted[i] += 1
         for i in range(a):
             reach_accepted[i] += 1
-    return [acc / n for acc, n in zip(reach_accepted, reach_drafted)]
+    return list(zip(reach_drafted, reach_accepted))
+
+
+def acceptance_per_position(accepted: Iterable[int], drafted: Iterable[int]) -> list[float]:
+    """Per draft position i = 1, 2, ...: P(token i accepted | a draft reached position i), the curve EAGLE and
+    vLLM report: rounds whose accepted prefix reaches i / rounds whose draft reaches i. Conditioning on the
+    draft's length keeps arms that often draft short (a PLD miss) comparable; empty when nothing was drafted.
+    (ALGORITHMS.md §6's per-position rate conditions on position i − 1 being accepted instead: divide
+    consecutive entries of :func:`reach_counts` for that.)"""
+    return [acc / n for n, acc in reach_counts(accepted, drafted)]

@@ -18,8 +18,9 @@ from pathlib import Path
 from ..common import metrics
 from ..core.cost import curve_summary, markdown_curve
 from ..common.errors import UserError
-from .eval_config import records_path, report_path
-from ..common.io import atomic_write_json, atomic_write_text, read_jsonl_log
+from .eval_config import is_eval_table, records_path, report_path
+from ..common.io import (atomic_write_json, atomic_write_text, check_output_file, is_report_json, read_jsonl_log,
+                         refuse_foreign)
 
 HF = "hf"
 AR = "autoregressive"
@@ -208,6 +209,72 @@ def markdown_table(summary: dict, cats: list[str], warnings: list[str] = ()) -> 
     return "\n".join(rows)
 
 
+# ---- EAGLE heads: decode-time acceptance beside the training-time figure (issue 31) ---------------------------
+
+def _head_record(path: str) -> dict | None:
+    """The ``heldout`` figures of a head folder's run record (``eval.json``), None when there are none."""
+    f = Path(path) / "eval.json"  # as the arm loaded it: relative to the working directory
+    try:
+        return json.loads(f.read_text()).get("heldout") if f.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def eagle_heads(config: dict, records: list[dict], cats: list[str]) -> dict:
+    """For each ``eagle:path=...`` arm of the run: its own method's (``arm:<label>``, every round played by that arm)
+    decode-time acceptance per draft position, overall and per category (``positions``: [reached, accepted] per
+    position, so binomial errors can be put on it), beside the training-time held-out figures of the head's run
+    record (``<path>/eval.json`` ``heldout``, read when the report is built; None when the folder has none).
+    Position 1 is the greedy first-token agreement at the positions where rounds start; the training figure
+    counts every position of the distilled held-out answers (scripts/bench_eagle_consistency.py compares both on
+    the same answers)."""
+    from ..common.specs import parse_spec
+
+    out = {}
+    specs, labels = config.get("arms") or [], config.get("arm_labels") or []
+    for spec, label in zip(specs, labels):
+        try:
+            name, params = parse_spec(spec)
+        except UserError:
+            continue
+        if name != "eagle" or "path" not in params:
+            continue
+        recs = [r for r in records if r["method"] == f"arm:{label}"]
+        if not recs:
+            continue
+
+        def block(rs):
+            counts = [list(c) for c in metrics.reach_counts([a for r in rs for a in r["accept_lengths"]],
+                                                            [d for r in rs for d in r["drafted"]])]
+            return {"rounds": sum(len(r["drafted"]) for r in rs), "positions": counts,
+                    "acceptance_per_position": [a / n if n else None for n, a in counts]}
+
+        out[label] = {"path": params["path"], "training_heldout": _head_record(params["path"]), "all": block(recs),
+                      "per_category": {c: block([r for r in recs if r["category"] == c]) for c in cats}}
+    return out
+
+
+def markdown_heads(heads: dict) -> str:
+    """The EAGLE block under the table: per head and category, decode-time acceptance at draft positions 1, 2, …
+    (rounds reaching the position) beside the training-time held-out top-1 agreement."""
+    rows = []
+    for label, h in heads.items():
+        t = h["training_heldout"] or {}
+        train = (f"{t['top1_agreement']:.3f} ({t.get('positions', '?')} positions, {t.get('examples', '?')} answers)"
+                 if "top1_agreement" in t else "— (no run record)")
+        depth = len(h["all"]["positions"])
+        rows += [f"\n\n**EAGLE head {label}** ({h['path']}): decode-time acceptance per draft position "
+                 f"(method arm:{label}; P(position i accepted | the draft reached i), rounds reaching it) beside "
+                 f"the training-time held-out top-1 agreement {train}:\n",
+                 "| category | rounds | " + " | ".join(f"position {i + 1}" for i in range(depth)) + " |",
+                 "|" + "---|" * (depth + 2)]
+        for c, b in [("all", h["all"]), *h["per_category"].items()]:
+            cells = [f"{a / n:.3f} ({n})" if n else "—" for n, a in b["positions"]]
+            cells += ["—"] * (depth - len(cells))
+            rows.append(f"| {c} | {b['rounds']} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 # ---- the report ------------------------------------------------------------------------------------------------
 
 def build_report(header: dict, records: list[dict]) -> tuple[dict, str]:
@@ -246,6 +313,10 @@ def build_report(header: dict, records: list[dict]) -> tuple[dict, str]:
     report = {"schema_version": SCHEMA, "config": config, "complete": len(done) == len(prompts), "records": recs,
               "summary": summary, "warnings": warnings}
     table = markdown_table(summary, cats, warnings)
+    heads = eagle_heads(config, recs, cats)
+    if heads:
+        report["eagle_heads"] = heads
+        table += markdown_heads(heads)
     # c(n) over every verification forward of our engine's methods (autoregressive and arms alike)
     curve = curve_summary(f for r in recs if r["method"] != ORACLE for f in r.get("verify_forwards", ()))
     if curve is not None:
@@ -284,6 +355,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                  "table goes beside it as .md)")
     p.add_argument("--no-plots", action="store_true",
                    help="skip the figures (PNG files beside the report, linked from its .md)")
+    p.add_argument("--force", action="store_true",
+                   help="replace a file at --out (or its .md) that this tool did not write (refused otherwise)")
+
+
+def check_outputs(out: Path, records: Path, force: bool = False) -> None:
+    """Before the report is built: the report and its table can be written, neither is the records file it is
+    built from, and neither replaces a file this tool did not write (unless ``force``)."""
+    if out.suffix in (".md", ".jsonl"):
+        raise UserError(f"--out {out}: the report is JSON and its table goes beside it as .md; name the report "
+                        f"e.g. {out.with_suffix('.json')}")
+    for name, p, is_own in (("--out", out, is_report_json), ("--out (table)", out.with_suffix(".md"), is_eval_table)):
+        if p.resolve() == records.resolve():
+            raise UserError(f"{name} {p}: is the records file the report is built from; pass another path")
+        check_output_file(p, name)
+        if not force:
+            refuse_foreign(p, name, is_own, "--force")
 
 
 def locate_records(path: str | os.PathLike) -> Path:
@@ -333,10 +420,12 @@ def load_report(path: str | os.PathLike) -> tuple[dict, Path, list[str]]:
 
 def run(args) -> int:
     rec = locate_records(args.path)
+    out = Path(args.out) if args.out else report_path(rec)
+    check_outputs(out, rec, getattr(args, "force", False))
     report, table, records, notes = _from_records(rec, str(args.path))
     for n in notes:
         print(f"note: {n}")
-    out, table_path = write_report(report, table, args.out or report_path(rec), plots=not args.no_plots)
+    out, table_path = write_report(report, table, out, plots=not args.no_plots)
     print(table)
     print(f"\nreport: {out}  (table: {table_path}{figures_note(out, not args.no_plots)}; from {len(records)} "
           f"records in {rec})")
