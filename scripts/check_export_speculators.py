@@ -9,7 +9,7 @@ torch 2.13 CPU build, installed with --no-deps (its other pins are for training 
 
 What it checks: a tiny Llama target and an EAGLE-1 head of the shape speculators holds (one decoder layer
 whose input is not normalised; our trained heads keep that norm, so the exporter refuses them for this
-format: see README "Exporting for vLLM, SGLang and transformers"). The head is written with
+format: see docs/exporting.md). The head is written with
 toolkit.export_formats.speculators_layout, loaded with EagleSpeculator.from_pretrained, attached to the
 same target, and must give the head's draft logits on the same inputs (max |difference| <= 1e-5).
 

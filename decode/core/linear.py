@@ -10,7 +10,7 @@ BLAS's, not the model's). oneDNN's matmul on weights reordered once into its blo
 (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the ops inductor itself emits for
 low-precision linears; for float32 it emits MKL's packed sgemm, which keeps the cliff) ran the same LM head
 in 3.3–4.3 ms for 1–8 rows, and the whole target forward at 37 ms for one position and 41 ms for five
-(stock: 54 and 82 ms); README, "Speed on a CPU".
+(stock: 54 and 82 ms); docs/performance.md.
 
 The packed model is a copy of the module tree that *shares* every parameter with the stock model (the
 ``hf`` reference and the transformers peers keep running the stock modules); only the packed weights are

@@ -19,7 +19,7 @@ yield more), n_j the arm's draft
 length this round (already known for the arms that proposed before the choice, else its preset L), d_j its
 measured drafting cost per token (a running mean over its records; 0 for an arm whose draft for this round
 already exists: that cost is spent whichever arm is played). Off by default: it measured slower than the plain
-router over the shipped pool (2.27× against 2.34× plain ``generate``, MAT 1.47 against 1.71; README).
+router over the shipped pool (2.27× against 2.34× plain ``generate``, MAT 1.47 against 1.71; docs/evaluation.md).
 
 A router chooses per round, so it is not bounded by the per-prompt oracle (one arm per prompt); the
 per-round oracle (best arm every round in hindsight) bounds it. Warm start: build the policy once with
