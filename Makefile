@@ -22,11 +22,15 @@ demo: $(STAMP)
 	$(PY) -m decode eval --arms "" --pool recipes/pools/pretrained.yaml --policies "ucbspec;router:carry=true" \
 		--peers "hf-pld:L=4" --max-new-tokens 64 --fresh --out runs/demo/report.json
 
+# One worker per core (at most 4), one torch thread each; a test module's tests share a worker (--dist loadscope),
+# so module fixtures (a trained head, a finished eval run) are built once.
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadscope
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 clean-venv:
 	rm -rf .venv

@@ -6,6 +6,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # parallel workers (`make test`: one per core) each keep to one thread, and so do the commands they start:
+    # two OpenMP pools spinning on the same cores slow each other down many times over
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    import torch
+    torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
 
 

@@ -42,3 +42,20 @@ def plain_greedy(model, prompt: list[int], n: int, eos: set[int] = frozenset()) 
                          eos_token_id=list(eos) or None, pad_token_id=0)
     toks = out[0, len(prompt):].tolist()
     return toks
+
+
+def run_main(main, argv: list[str]):
+    """A CLI run in this process (``main(argv)`` of decode/toolkit): what ``subprocess.run`` of ``python -m ...``
+    gives — returncode, stdout, stderr — without paying a fresh interpreter's torch/transformers import per
+    call. An exception that escapes the command (a traceback in a real run) fails the calling test."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse's usage errors and --help
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())

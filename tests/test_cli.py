@@ -5,17 +5,25 @@ import sys
 
 import pytest
 
+from helpers import run_main
 
-def run_eval(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "decode", "eval", "--no-progress", *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=600)
+
+def run_eval(*args, subprocess_=False):
+    """``decode eval`` in this process (helpers.run_main); ``subprocess_=True`` runs the real
+    ``python -m decode`` entry point once, where the process boundary itself is under test."""
+    argv = ["eval", "--no-progress", *args]
+    if subprocess_:
+        return subprocess.run([sys.executable, "-m", "decode", *argv], capture_output=True, text=True, timeout=600)
+    from decode.commands.cli import main
+    return run_main(main, argv)
 
 
 def test_eval_report_on_tiny_target(tiny_target_dir, tmp_path):
+    """Through ``python -m decode`` itself: the entry point, stdout and the exit code as a user gets them."""
     out = tmp_path / "r.json"
     r = run_eval("--target", tiny_target_dir, "--arms", "pld:L=3;suffix:L=4;none", "--policies", "ucbspec,exp3spec",
                  "--max-new-tokens", "12", "--categories", "code,summarization", "--cache", "static",
-                 "--out", str(out))
+                 "--out", str(out), subprocess_=True)
     assert r.returncode == 0, r.stderr
     assert "| method |" in r.stdout
     rep = json.loads(out.read_text())
@@ -101,9 +109,9 @@ def test_eval_length_controller_and_recorded_traces_replay(tiny_target_dir, tmp_
     tr = load_traces(traces)
     assert sorted(t.meta["category"] for t in tr) == ["chat", "code"]
     assert all(t.arm_labels == ["pld@3", "suffix@4"] and t.n_tokens > 0 for t in tr)
-    sim = subprocess.run([sys.executable, "-m", "decode", "simulate", "--no-progress", "--no-plot", "--seeds", "2",
-                          "--traces", str(traces), "--policies", "ucbspec", "--out", str(tmp_path / "sim.json")],
-                         capture_output=True, text=True, timeout=600)
+    from decode.commands.cli import main
+    sim = run_main(main, ["simulate", "--no-progress", "--no-plot", "--seeds", "2", "--traces", str(traces),
+                          "--policies", "ucbspec", "--out", str(tmp_path / "sim.json")])
     assert sim.returncode == 0, sim.stderr
     assert "ucbspec" in json.loads((tmp_path / "sim.json").read_text())["summary"]["policies"]
 

@@ -14,15 +14,26 @@ import pytest
 
 from decode.common.errors import UserError
 from decode.common.io import JsonlLog, read_jsonl_log
+from helpers import run_main
 
 # thompson:carry=true learns across prompts with its own random draws: a resume that did not replay
 # the finished prompts through it would choose other arms afterwards
 ARGS = ["--arms", "pld:L=3;suffix:L=4", "--policies", "ucbspec;thompson:carry=true", "--max-new-tokens", "24"]
 
 
+def eval_argv(target, out, *extra):
+    return ["eval", "--no-progress", "--target", target, *ARGS, "--out", str(out), *extra]
+
+
 def eval_cmd(target, out, *extra):
-    return [sys.executable, "-m", "decode", "eval", "--no-progress", "--target", target, *ARGS,
-            "--out", str(out), *extra]
+    """The real command line, for the runs a signal interrupts (those need a process of their own)."""
+    return [sys.executable, "-m", "decode", *eval_argv(target, out, *extra)]
+
+
+def decode_main(*argv):
+    """``python -m decode ...`` in this process (no fresh interpreter to import torch into)."""
+    from decode.commands.cli import main
+    return run_main(main, list(argv))
 
 
 def lines(path):
@@ -30,13 +41,13 @@ def lines(path):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_target_dir, tmp_path_factory):
+def runs(tiny_target_dir, tmp_path_factory, one_thread):
     """An uninterrupted run and a run SIGKILLed after a few records (then given a torn last line, as a
     kill in the middle of a write would leave) and rerun with the same command."""
     base = tmp_path_factory.mktemp("resume")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     full = base / "full" / "report.json"
-    r = subprocess.run(eval_cmd(tiny_target_dir, full), capture_output=True, text=True, timeout=600, env=env)
+    r = decode_main(*eval_argv(tiny_target_dir, full))  # one thread, as the killed run's OMP_NUM_THREADS=1
     assert r.returncode == 0, r.stderr
 
     out = base / "killed" / "report.json"
@@ -64,7 +75,7 @@ def runs(tiny_target_dir, tmp_path_factory):
     shutil.copy(records, partial)
     with records.open("ab") as fh:
         fh.write(b'{"method": "hf", "prompt_id": "half-writ')  # torn last line
-    resumed = subprocess.run(eval_cmd(tiny_target_dir, out), capture_output=True, text=True, timeout=600, env=env)
+    resumed = decode_main(*eval_argv(tiny_target_dir, out))
     assert resumed.returncode == 0, resumed.stderr
     return {"full": full, "out": out, "kept": kept, "resumed": resumed, "partial": partial}
 
@@ -136,23 +147,20 @@ def test_report_command_rebuilds_the_same_report_from_the_records(runs, tmp_path
     before_json, before_md = out.read_text(), out.with_suffix(".md").read_text()
     out.unlink()
     out.with_suffix(".md").unlink()
-    r = subprocess.run([sys.executable, "-m", "decode", "report", str(out.parent)], capture_output=True, text=True,
-                       timeout=300)
+    r = decode_main("report", str(out.parent))
     assert r.returncode == 0, r.stderr
     assert out.read_text() == before_json and out.with_suffix(".md").read_text() == before_md
     assert "| method |" in r.stdout
     # a report path works as well, and --out writes elsewhere
     other = tmp_path / "again.json"
-    r = subprocess.run([sys.executable, "-m", "decode", "report", str(out), "--out", str(other)],
-                       capture_output=True, text=True, timeout=300)
+    r = decode_main("report", str(out), "--out", str(other))
     assert r.returncode == 0, r.stderr
     assert json.loads(other.read_text()) == json.loads(before_json)
 
 
 def test_report_on_a_partial_run_covers_the_finished_prompts(runs):
     partial = runs["partial"]
-    r = subprocess.run([sys.executable, "-m", "decode", "report", str(partial)], capture_output=True, text=True,
-                       timeout=300)
+    r = decode_main("report", str(partial))
     assert r.returncode == 0, r.stderr
     rep = json.loads(partial.with_name("report.json").read_text())
     n_methods = len(rep["config"]["methods"])
