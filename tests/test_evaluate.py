@@ -181,3 +181,38 @@ def test_a_compiled_run_reports_compile_seconds_apart_from_speed(tiny_target_dir
     assert rep["cost_curve"]["forwards"] == sum(len(r["drafted"]) for r in ours)
     table = (tmp_path / "r.md").read_text() if (tmp_path / "r.md").exists() else ""
     assert "compile s" in ev.markdown_table(s, ["code", "summarization"]) and ("compile s" in table or not table)
+
+
+def test_tree_rounds_count_positions_along_their_depth_not_their_nodes():
+    """A tree round of 6 nodes and depth 3, fully accepted, reached positions 1..3 (records' ``depths``); the
+    per-position curve has nothing at 4..6. Records without ``depths`` (peers, older runs) are chains."""
+    a = [1, 2, 3, 4]
+    recs = [rec(ev.HF, "p1", 4, 4, 1.0, a), rec(ev.AR, "p1", 4, 4, 0.5, a),
+            dict(rec("arm:t", "p1", 4, 1, 0.25, a, acc=[3], drafted=[6], arms=["t"]), depths=[3]),
+            rec("arm:c", "p1", 4, 2, 0.25, a, acc=[1, 0], drafted=[2, 2], arms=["c", "c"])]
+    s = ev.summarize(recs, [ev.HF, ev.AR, "arm:t", "arm:c"], ["t", "c"], greedy=True)
+    assert s["arm:t"]["acceptance_per_position"] == [1.0, 1.0, 1.0]
+    assert s["arm:t"]["acceptance_rate"] == 0.5  # 3 of the 6 drafted nodes
+    assert s["arm:c"]["acceptance_per_position"] == [0.5, 0.0]
+
+
+def test_engine_records_a_tree_rounds_depth(one_thread):
+    """What evaluate stores as ``depths``: RoundRecord.positions, the depth for a tree, the length for a chain."""
+    from decode.choose.arms.union import UnionArm
+    from decode.choose.arms.ngram import PromptLookupArm
+    from decode.choose.arms.suffix import SuffixArm
+    from decode.choose.policies.simple import Fixed
+    from decode.core.sampling import SamplingConfig
+    from decode.core.target import Target
+    from decode.core.verify import Verifier
+    from decode.engine.loop import SpecEngine
+    from helpers import tiny_llama
+    cfg = SamplingConfig(0.0)
+    model = tiny_llama(vocab=16, seed=2)
+    union = UnionArm([PromptLookupArm(L=2, max_ngram=1), SuffixArm(L=3, min_match=1)], 8, True)
+    eng = SpecEngine(Target(model), [union], Verifier(cfg))
+    g = eng.generate([1, 2, 3, 1, 4, 5, 1, 2, 6, 1], Fixed(1, 0), 12)
+    trees = [r for r in g.rounds if r.drafted > 3]
+    assert trees  # the two chains diverged: more nodes than positions
+    assert all(r.positions <= 3 and r.depth is not None for r in trees)
+    assert all(r.positions == r.drafted for r in g.rounds if r.depth is None)

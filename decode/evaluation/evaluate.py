@@ -127,6 +127,7 @@ class EngineMethod:
     def _record(self, g: Generation) -> dict:
         return {"new_tokens": len(g.tokens), "rounds": g.target_forwards,
                 "accept_lengths": [r.accepted for r in g.rounds], "drafted": [r.drafted for r in g.rounds],
+                "depths": [r.positions for r in g.rounds],  # a tree's depth (drafted counts its nodes)
                 "arms": [self.labels[r.arm] for r in g.rounds] if self.kind != "autoregressive" else [],
                 "draft_time": sum(r.draft_time for r in g.rounds),
                 "verify_time": sum(r.verify_time for r in g.rounds),

@@ -65,6 +65,12 @@ def rotated(names: list[str], pi: int) -> list[str]:
 
 # ---- summary ------------------------------------------------------------------------------------------------
 
+def _depths(rec: dict) -> list[int]:
+    """Per round, the draft positions a path reached: a tree's depth, not its node count (``drafted``); records
+    without ``depths`` (peers, runs before it was recorded) drafted chains."""
+    return rec.get("depths") or rec["drafted"]
+
+
 def _aggregate(recs: list[dict]) -> dict:
     toks = sum(r["new_tokens"] for r in recs)
     fwd = sum(r["rounds"] for r in recs)
@@ -76,7 +82,7 @@ def _aggregate(recs: list[dict]) -> dict:
             "mat": mat, "tau": mat, "tokens_per_s": metrics.tokens_per_s(toks, wall),
             "acceptance_rate": metrics.acceptance_rate(acc, dr),
             "acceptance_per_position": metrics.acceptance_per_position(
-                [a for r in recs for a in r["accept_lengths"]], [d for r in recs for d in r["drafted"]]),
+                [a for r in recs for a in r["accept_lengths"]], [d for r in recs for d in _depths(r)]),
             "hm": metrics.harmonic_mean_metric(acc, dr, toks)}
 
 
@@ -245,7 +251,7 @@ def eagle_heads(config: dict, records: list[dict], cats: list[str]) -> dict:
 
         def block(rs):
             counts = [list(c) for c in metrics.reach_counts([a for r in rs for a in r["accept_lengths"]],
-                                                            [d for r in rs for d in r["drafted"]])]
+                                                            [d for r in rs for d in _depths(r)])]
             return {"rounds": sum(len(r["drafted"]) for r in rs), "positions": counts,
                     "acceptance_per_position": [a / n if n else None for n, a in counts]}
 
