@@ -68,9 +68,7 @@ def regenerate(model, tok, n: int, temperatures: list[float], record: dict, seed
     from decode.core.models import eos_token_ids
     from decode.core.sampling import SamplingConfig
     from toolkit.config import load_recipe, task_recipe
-    from toolkit.data.leakage import EvalIndex
-    from toolkit.data.prompts import select_prompts
-    from toolkit.distill import DistillRecipe, Unit, _row, generate_batch, plan_units
+    from toolkit.distill import DistillRecipe, Unit, _row, generate_batch, plan_units, select_rendered
     from toolkit.pool import BUDGETS
     from toolkit.train.data import is_heldout
 
@@ -83,18 +81,7 @@ def regenerate(model, tok, n: int, temperatures: list[float], record: dict, seed
     for task in sorted(budget.tasks):  # load_examples reads the task folders in name order
         recipe = load_recipe(DistillRecipe, task_recipe(task), [f"num_prompts={budget.prompts}",
                                                                  f"generation.max_new_tokens={budget.max_new_tokens}"])
-        index = EvalIndex.from_files(recipe.leakage.eval_files, recipe.leakage.ngram)
-        rendered = {}
-
-        def check(p, recipe=recipe, rendered=rendered):
-            text, ids = recipe.template.render(tok, p.text)
-            if len(ids) > recipe.generation.max_prompt_tokens:
-                return "too_long"
-            rendered[p.text] = (text, ids)
-            return None
-
-        sel = select_prompts(recipe.sources, recipe.num_prompts, eval_index=index, check=check,
-                             shuffle=recipe.shuffle, seed=recipe.seed)
+        sel, rendered = select_rendered(recipe, tok)
         prompts = sel.prompts
         units = [u for u in plan_units(task, prompts, [rendered[p.text][1] for p in prompts], temperatures)
                  if is_heldout(prompts[u.prompt].text, fraction)]

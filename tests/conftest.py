@@ -41,12 +41,5 @@ def smol(smol_path):
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory, smol_path):
     """A tiny random Llama with the default target's tokenizer: fast CLI runs with real text I/O."""
-    from transformers import AutoTokenizer
-    from helpers import tiny_llama
-    d = tmp_path_factory.mktemp("tiny_target")
-    tok = AutoTokenizer.from_pretrained(smol_path)
-    m = tiny_llama(vocab=len(tok), hidden=32, layers=2, seed=3)
-    m.config.eos_token_id = tok.eos_token_id
-    m.save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
+    from helpers import save_tiny_target
+    return save_tiny_target(tmp_path_factory.mktemp("tiny_target"), smol_path)

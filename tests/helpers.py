@@ -59,3 +59,15 @@ def run_main(main, argv: list[str]):
         except SystemExit as exc:  # argparse's usage errors and --help
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def save_tiny_target(folder, tokenizer_source: str, layers: int = 2, seed: int = 3) -> str:
+    """A tiny random Llama saved as an HF folder with the tokenizer of ``tokenizer_source``: CLI runs with real
+    text I/O in seconds."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tokenizer_source)
+    m = tiny_llama(vocab=len(tok), hidden=32, layers=layers, seed=seed)
+    m.config.eos_token_id = tok.eos_token_id
+    m.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)

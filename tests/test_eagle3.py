@@ -440,15 +440,8 @@ def test_fused_head_sampling_follows_the_target(layer):
 def tiny4_dir(tmp_path_factory, tiny_target_dir):
     """A 4-layer tiny Llama with the tiny target's tokenizer (the distilled text reads the same): head.layer=eagle3
     needs 3 distinct feature layers below N, which the 2-layer tiny target does not have."""
-    from transformers import AutoTokenizer
-
-    d = tmp_path_factory.mktemp("tiny4")
-    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
-    m = tiny_llama(vocab=len(tok), hidden=32, layers=4, seed=3)
-    m.config.eos_token_id = tok.eos_token_id
-    m.save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
+    from helpers import save_tiny_target
+    return save_tiny_target(tmp_path_factory.mktemp("tiny4"), tiny_target_dir, layers=4)
 
 
 def test_eagle3_recipe_trains_from_the_cli_then_decodes_losslessly(tiny_distilled, tiny4_dir):

@@ -305,6 +305,24 @@ def _load_tokenizer(recipe: DistillRecipe):
         raise UserError(f"target: could not load the tokenizer of '{recipe.target}': {exc}") from None
 
 
+def select_rendered(recipe: DistillRecipe, tokenizer):
+    """The recipe's prompts (leakage-checked against its eval files, too-long ones skipped) and each prompt's
+    rendering through the recipe's template: ``(selection, {prompt text: (rendered text, ids)})``."""
+    index = EvalIndex.from_files(recipe.leakage.eval_files, recipe.leakage.ngram)
+    rendered: dict[str, tuple[str, list[int]]] = {}
+
+    def check(p):
+        text, ids = recipe.template.render(tokenizer, p.text)
+        if len(ids) > recipe.generation.max_prompt_tokens:
+            return "too_long"
+        rendered[p.text] = (text, ids)
+        return None
+
+    sel = select_prompts(recipe.sources, recipe.num_prompts, eval_index=index, check=check,
+                         shuffle=recipe.shuffle, seed=recipe.seed)
+    return sel, rendered
+
+
 def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: bool = False,
             progress: bool = True) -> dict:
     """Run (or resume) a distillation recipe; returns the manifest. ``model``/``tokenizer`` override the target."""
@@ -321,18 +339,7 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
         tokenizer = _load_tokenizer(recipe)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
-    index = EvalIndex.from_files(recipe.leakage.eval_files, recipe.leakage.ngram)
-    rendered: dict[str, tuple[str, list[int]]] = {}
-
-    def check(p):
-        text, ids = recipe.template.render(tokenizer, p.text)
-        if len(ids) > gen.max_prompt_tokens:
-            return "too_long"
-        rendered[p.text] = (text, ids)
-        return None
-
-    sel = select_prompts(recipe.sources, recipe.num_prompts, eval_index=index, check=check,
-                         shuffle=recipe.shuffle, seed=recipe.seed)
+    sel, rendered = select_rendered(recipe, tokenizer)
     prompts = sel.prompts
     prompt_text = [rendered[p.text][0] for p in prompts]
     prompt_ids = [rendered[p.text][1] for p in prompts]
