@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-drafter": ("toolkit.train.drafter", "train a task drafter on distilled data (also: deepspeed scripts/train_drafter.py)"),
     "diagonal": ("toolkit.diagonal", "MetaSD's diagonal: every drafter on every task's held-out distilled split; "
                  "does each task drafter beat the generalist?"),
+    "answers": ("toolkit.answers", "finished distillations → the compressed answers folder the repository ships "
+                "(merged by id, leakage-checked, ≤ 25 MiB)"),
     "ship": ("toolkit.ship", "a trained head → the small float16 folder the repository ships (pretrained/)"),
     "export": ("toolkit.export_formats", "export a trained EAGLE head or drafter for vLLM, SGLang, EAGLE or transformers"),
 }
