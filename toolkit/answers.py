@@ -59,6 +59,14 @@ def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     return diffs
 
 
+def _portable(path: Path) -> str:
+    """``path`` relative to the working directory when under it: a shipped record names no one's machine."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def _task_file(folder: Path, task: str) -> Path:
     return folder / f"{task}.jsonl.gz"
 
@@ -149,9 +157,11 @@ def export_answers(dirs: list[str | os.PathLike], out: str | os.PathLike, *,
                 continue
             seen[r["id"]] = {k: r[k] for k in COLUMNS}
             added += 1
-        entry["runs"].append({"folder": str(d), "fingerprint": manifest.get("fingerprint"),
+        entry["runs"].append({"folder": _portable(d), "fingerprint": manifest.get("fingerprint"),
                               "rows_added": added, "rows_leaking_dropped": leaked,
-                              "finished_unix": (manifest.get("time") or {}).get("finished_unix")})
+                              "finished_unix": (manifest.get("time") or {}).get("finished_unix"),
+                              "device": (manifest.get("target") or {}).get("device"),
+                              "tokens_per_s": (manifest.get("throughput") or {}).get("tokens_per_s")})
         s = summary.setdefault(task, {"added": 0, "leaked": 0})
         s["added"] += added
         s["leaked"] += leaked
