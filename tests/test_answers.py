@@ -84,3 +84,21 @@ def test_unfinished_or_missing_folders_and_a_damaged_file_are_clear_errors(runs,
         load_answers(tmp_path / "a")
     with pytest.raises(UserError, match="over --max-mb"):
         export_answers([two], tmp_path / "b", eval_files=[], max_mb=1e-6)
+
+
+def test_the_shipped_answers_are_whole_and_their_ids_are_the_distillers():
+    """pretrained/<target>/answers: every task file reads back, its row count and tokens match the run record,
+    ids are unique and are the distiller's unit ids of (task, source, prompt, temperature)."""
+    from pathlib import Path
+
+    from toolkit.answers import read_record
+    from toolkit.distill import _uid
+    folder = Path(__file__).resolve().parent.parent / "pretrained" / "smollm2-135m-instruct" / "answers"
+    record = read_record(folder)
+    assert set(record["tasks"]) == {"math", "code", "chat", "summarization", "translation", "qa"}
+    for task, entry in record["tasks"].items():
+        rows = load_answers(folder, task)
+        assert len(rows) == entry["rows"] and sum(len(r["response_ids"]) for r in rows) == entry["answer_tokens"]
+        assert len({r["id"] for r in rows}) == len(rows) and all(r["task"] == task for r in rows)
+        assert all(r["id"] == _uid(task, r["source"], r["prompt"], r["temperature"]) for r in rows)
+        assert entry["conditions"]["target"] == "smollm2-135m-instruct"
