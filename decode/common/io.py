@@ -77,18 +77,19 @@ def check_output_file(path: str | os.PathLike, flag: str) -> None:
                         f"pass another path")
 
 
-def _json_head(path: Path):
+def is_json_object_with(path: str | os.PathLike, keys: set[str]) -> bool:
+    """Whether ``path`` holds a JSON object with every one of ``keys`` (how an output this tool wrote is told from a
+    user's file); False for anything unreadable."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):  # ValueError: invalid JSON or not UTF-8
-        return None
+        return False
+    return isinstance(data, dict) and keys <= data.keys()
 
 
 def is_report_json(path: str | os.PathLike) -> bool:
-    """A report this tool wrote (``decode eval``/``report``/``simulate``): a JSON object with ``config`` and
-    ``summary``."""
-    data = _json_head(Path(path))
-    return isinstance(data, dict) and {"config", "summary"} <= data.keys()
+    """A report this tool wrote (``decode eval``/``report``/``simulate``): ``config`` and ``summary``."""
+    return is_json_object_with(path, {"config", "summary"})
 
 
 def starts_with(path: str | os.PathLike, *prefixes: str) -> bool:

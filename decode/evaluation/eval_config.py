@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..common.errors import UserError
-from ..common.io import check_output_file, is_report_json, refuse_foreign, starts_with
+from ..common.io import check_output_file, is_json_object_with, is_report_json, refuse_foreign, starts_with
 from ..core.linear import LINEAR_KINDS, resolve_linear
 from ..core.models import DEFAULT_TARGET
 from ..common.specs import parse_spec, split_specs
@@ -36,12 +36,7 @@ def is_eval_table(path) -> bool:
 
 def is_traces_file(path) -> bool:
     """A ``--record-traces`` file (decode/simulation/traces.py): a JSON object with ``version`` and ``traces``."""
-    import json
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and {"version", "traces"} <= data.keys()
+    return is_json_object_with(path, {"version", "traces"})
 
 
 def flag(name: str) -> str:

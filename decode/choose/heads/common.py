@@ -249,25 +249,26 @@ def check_head_folder(folder, expect: str | None = None) -> dict:
     """What can be checked of a head folder without its target (before any model loads): ``head.json``
     readable, of the ``expect``-ed kind, and its weights a readable safetensors file. Returns ``head.json``."""
     meta = read_head_config(folder)
+    _head_kind(folder, meta, expect)
+    read_head_weights(folder)
+    return meta
+
+
+def _head_kind(folder, meta: dict, expect: str | None) -> str:
+    """``head.json``'s kind: a registered one, and ``expect`` when given."""
     kind = meta.get("kind")
     if kind not in HEAD_KINDS:
         raise UserError(f"{folder}/{HEAD_CONFIG}: unknown head kind '{kind}' (known: {', '.join(HEAD_KINDS)})")
     if expect is not None and kind != expect:
         raise UserError(f"{folder} holds a '{kind}' head, expected '{expect}'")
-    read_head_weights(folder)
-    return meta
+    return kind
 
 
 def load_head(folder, target: nn.Module | None = None, *, expect: str | None = None) -> nn.Module:
     """Rebuild a saved head (on top of ``target`` for the heads that wrap it), by the class registered
     for its ``kind``."""
     meta = read_head_config(folder)
-    kinds = HEAD_KINDS
-    kind = meta.get("kind")
-    if kind not in kinds:
-        raise UserError(f"{folder}/{HEAD_CONFIG}: unknown head kind '{kind}' (known: {', '.join(kinds)})")
-    if expect is not None and kind != expect:
-        raise UserError(f"{folder} holds a '{kind}' head, expected '{expect}'")
+    kind = _head_kind(folder, meta, expect)
     extra = {}
     if meta.get("draft_vocab"):  # heads saved before draft vocabularies draft from the full vocabulary
         if target is None:
@@ -280,7 +281,7 @@ def load_head(folder, target: nn.Module | None = None, *, expect: str | None = N
     if target is not None and isinstance(meta.get("target"), dict):
         check_signature(meta["target"], target, folder)  # names the folder (the head's own check cannot)
     try:
-        head = kinds[kind].from_head_config(meta, target, **extra)
+        head = HEAD_KINDS[kind].from_head_config(meta, target, **extra)
     except (KeyError, TypeError, ValueError) as exc:  # a field missing or of the wrong type
         raise UserError(f"head folder {folder}: {HEAD_CONFIG} lacks or mistypes a field the '{kind}' head needs "
                         f"({_reason(exc)}); copy the folder again or retrain the head") from None
