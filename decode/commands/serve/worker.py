@@ -36,7 +36,7 @@ from ...common import metrics as m
 from ...engine.loop import SpecEngine
 from ...common.errors import UserError
 from ..generate import IncrementalText, decode_text, decoding_seconds
-from ...common.io import atomic_write_text
+from ...common.io import atomic_write_json
 from ...choose.policies import build_policy
 from ...choose.policies.simple import Fixed
 from ...choose.policies.state import load_policy_state, policy_state
@@ -177,7 +177,7 @@ class Worker:
         with self._lock:
             state = {**self._state_header(), "requests": self.requests_learnt, "saved_unix": time.time(),
                      "policy": policy_state(self.policy)}
-            atomic_write_text(self.state_file, json.dumps(state, indent=1, ensure_ascii=False) + "\n")
+            atomic_write_json(self.state_file, state)  # fsynced, then renamed in
         return True
 
     # ---- the queue ---------------------------------------------------------------------------------------
@@ -246,7 +246,7 @@ class Worker:
         the policy state. The state is not saved while the thread is still running (a round may be updating
         the policy) nor after it died (it may have died mid-update): the file then keeps the last state saved
         after a whole request. Returns whether the state was saved."""
-        err = APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        err = _shutting_down()
         with self._gate:
             self._stopping = True
             queued = self._take_all()
@@ -290,8 +290,7 @@ class Worker:
             if job is None:
                 return
             if self._stopping:  # taken after stop emptied the queue
-                self._fail([job], APIError(503, "the server is shutting down", type="server_error",
-                                           code="shutting_down"))
+                self._fail([job], _shutting_down())
                 continue
             if job.cancelled.is_set():  # its client left while it waited
                 self.metrics.requests.labels(job.endpoint, "cancelled").inc()
@@ -379,8 +378,7 @@ class Worker:
         if outcome == "cancelled":
             self.metrics.requests.labels(job.endpoint, "cancelled").inc()
             if self._stopping:  # cancelled by stop(): its client (if still there) hears why
-                job.emit("error", APIError(503, "the server is shutting down", type="server_error",
-                                           code="shutting_down"))
+                job.emit("error", _shutting_down())
             return
         end = time.monotonic()
         self.metrics.latency.observe(end - job.arrival)
@@ -408,6 +406,10 @@ class Worker:
             else:
                 lo = mid + 1
         return tokens[:lo]
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
 
 
 def _timeout(job: Job) -> APIError:
