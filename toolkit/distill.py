@@ -12,7 +12,18 @@ Output (``out``, default ``runs/distill/<task>``):
   (temp file + ``os.replace``). A rerun skips finished shards, so an interrupted run resumes
   without duplicated or lost rows; sampled rows are seeded per batch, so a resumed run reproduces
   what an uninterrupted one would have written.
-* ``manifest.json``: recipe, target, prompt selection counts, filter counts, throughput, time.
+* ``manifest.json``: recipe, target, prompt selection counts, filter counts, throughput, time, and
+  ``reuse`` (below).
+
+Shipped answers (``reuse``, default ``auto``): before generating, the rows of an answers folder
+(:mod:`toolkit.answers`; ``auto`` = ``pretrained/<target>/answers`` when ``target`` is an alias and that folder
+exists) are taken instead of generated, when the folder's recorded conditions for the task (target, dtype,
+template, filters, answer length, sampling, prompt limit) equal this run's. A planned row is reused when its id
+is shipped *and* the shipped prompt ids equal this run's rendering; the rest are generated as usual (rows a
+filter dropped or that leaked were not shipped, so they are generated). An explicit folder that is missing or
+differs is an error naming the fields; ``auto`` says on stderr why nothing is reused and generates; ``null``
+never reuses. ``reuse`` is not part of the run's identity: a reused row is the target's answer under the same
+conditions. Shards record ``reused_rows``, the manifest ``reuse: {folder, rows_reused}`` (or ``skipped``).
 
 :func:`load_distilled` is the reading side used by the training recipes. Row columns:
 ``id, task, source, prompt, prompt_text, prompt_ids, response, response_ids, temperature,
@@ -40,6 +51,7 @@ from decode.common.io import atomic_path, atomic_write_json
 from decode.core.models import DEFAULT_TARGET, eos_token_ids
 from decode.core.sampling import SamplingConfig, choose_token
 
+from . import answers as shipped_answers
 from .config import DTypeName, check_device_spec, dump_yaml, load_recipe, resolve_device_field, task_recipe, to_dict
 from .data.filters import FilterConfig, first_match
 from .data.leakage import DEFAULT_EVAL_FILES, EvalIndex
@@ -47,6 +59,7 @@ from .data.prompts import select_prompts
 from .data.sources import GSM8KSource, Source
 from .data.templates import Template
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ("id", "task", "source", "prompt", "prompt_text", "prompt_ids", "response", "response_ids",
            "temperature", "finish_reason", "prompt_tokens", "response_tokens", "filtered")
 FORMAT_VERSION = 2  # bump when the plan (row order, batching, seeding) changes: old runs cannot be resumed
@@ -105,6 +118,9 @@ class DistillRecipe:
     out: str | None = None  # null = runs/distill/<task>
     shard_size: int = 256  # rows per shard file (the unit of resume)
     trust_remote_code: bool = False
+    # an answers folder (toolkit answers) whose rows are taken instead of generated when its recorded conditions
+    # match; auto = pretrained/<target>/answers for an alias target when it exists; null = generate every row
+    reuse: str | None = "auto"
 
     def __post_init__(self):
         check_device_spec(self.device, "device")
@@ -114,6 +130,8 @@ class DistillRecipe:
             raise UserError(f"num_prompts must be >= 1 or null (every prompt), got {self.num_prompts}")
         if self.shard_size < 1:
             raise UserError(f"shard_size must be >= 1, got {self.shard_size}")
+        if self.reuse is not None and not self.reuse.strip():
+            raise UserError("reuse must be auto, an answers folder or null (never reuse), got an empty string")
         bs = self.generation.batch_size
         if self.shard_size % bs:  # shards are generated batch by batch: a remainder is a short, wasteful batch
             raise UserError(f"shard_size={self.shard_size} must be a multiple of generation.batch_size={bs}; "
@@ -283,6 +301,9 @@ def _fingerprint(recipe: DistillRecipe, units: list[Unit], prompt_ids: list[list
     d = to_dict(recipe)
     d.pop("out", None)
     d.pop("device", None)
+    # where rows may be copied from is not what they are: a reused row is the target's answer under the same
+    # recorded conditions (checked before it is taken), so runs written before the field existed still resume
+    d.pop("reuse", None)
     d["dtype"] = dtype_name(dtype)
     d["generation"].pop("threads", None)  # speed only: may change between sessions
     h = hashlib.sha256(json.dumps([FORMAT_VERSION, d], sort_keys=True).encode())
@@ -323,6 +344,73 @@ def select_rendered(recipe: DistillRecipe, tokenizer):
     return sel, rendered
 
 
+@dataclass
+class ReuseSource:
+    """Where this run's rows may come from instead of the target: ``rows`` (shipped rows by id; empty when nothing
+    is reused), the ``folder`` they come from, and when nothing is, why (``skipped``; ``notice``: the line to print)."""
+    folder: Path | None = None
+    rows: dict[str, dict] = field(default_factory=dict)
+    skipped: str | None = None
+    notice: str | None = None
+
+    def row_for(self, unit: Unit, prompt_ids: list[int]) -> dict | None:
+        """The shipped row for ``unit`` when there is one rendered to the same prompt ids as this run's."""
+        row = self.rows.get(unit.uid)
+        return row if row is not None and list(row["prompt_ids"]) == list(prompt_ids) else None
+
+
+def auto_answers_folder(target: str) -> Path | None:
+    """``reuse=auto``'s folder: ``pretrained/<target>/answers`` for an alias target (a local folder or hub id
+    names no shipped answers), whether or not it exists."""
+    from decode.core.models import ALIASES
+
+    return REPO_ROOT / "pretrained" / target / "answers" if target in ALIASES else None
+
+
+def _reuse_source(recipe: DistillRecipe, dtype: torch.dtype) -> ReuseSource:
+    """The answers folder named by ``recipe.reuse`` and its rows for ``recipe.task``, checked against this run's
+    conditions. An explicit folder that cannot be used is a :class:`UserError`; ``auto`` falls back to generating."""
+    if recipe.reuse is None:
+        return ReuseSource(skipped="reuse=null")
+    explicit = recipe.reuse != "auto"
+    if explicit:
+        folder = Path(recipe.reuse).expanduser()
+        if not folder.is_absolute() and not folder.exists() and (REPO_ROOT / folder).exists():
+            folder = REPO_ROOT / folder  # like the sources' paths: the repository root, then the working directory
+    else:
+        folder = auto_answers_folder(recipe.target)
+        if folder is None or not (folder / shipped_answers.RECORD).is_file():
+            return ReuseSource(skipped=f"no shipped answers for target {recipe.target!r} (reuse=auto)")
+    shown = shipped_answers._portable(folder)
+    fix = "pass reuse=null to generate every row" + (", or reuse=<another answers folder>" if explicit else "")
+
+    def cannot(reason: str) -> ReuseSource:
+        if explicit:
+            raise UserError(f"reuse={recipe.reuse}: {reason}; {fix}")
+        return ReuseSource(skipped=reason, notice=f"distill {recipe.task}: not reusing {shown} ({reason})")
+
+    try:
+        record = shipped_answers.read_record(folder)
+    except UserError as exc:
+        return cannot(str(exc))
+    entry = record["tasks"].get(recipe.task)
+    if entry is None:
+        return cannot(f"no {recipe.task} answers there (it has {', '.join(sorted(record['tasks'])) or 'none'})")
+    here = shipped_answers.conditions({"recipe": to_dict(recipe), "target": {"dtype": dtype_name(dtype)}})
+    diffs = shipped_answers._differences(here, entry.get("conditions") or {})
+    if diffs:
+        if explicit:
+            raise UserError(f"reuse={recipe.reuse}: its {recipe.task} answers were distilled under other conditions: "
+                            f"{'; '.join(diffs)}; {fix}, or set those fields as they are there "
+                            f"(e.g. dtype=..., generation.max_new_tokens=...) with another out")
+        return cannot(f"other conditions: {'; '.join(diffs)}")
+    try:
+        rows = shipped_answers.load_answers(folder, recipe.task)
+    except UserError as exc:
+        return cannot(str(exc))
+    return ReuseSource(folder=folder, rows={r["id"]: r for r in rows})
+
+
 def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: bool = False,
             progress: bool = True) -> dict:
     """Run (or resume) a distillation recipe; returns the manifest. ``model``/``tokenizer`` override the target."""
@@ -346,6 +434,10 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
     units = plan_units(recipe.task, prompts, prompt_ids, gen.temperatures)
     fp = _fingerprint(recipe, units, prompt_ids, dtype)
     n_shards = (len(units) + recipe.shard_size - 1) // recipe.shard_size
+    reuse = _reuse_source(recipe, dtype)  # before `out` is touched: a wrong reuse= folder is one line
+
+    def shard_units(k: int) -> list[Unit]:
+        return units[k * recipe.shard_size:(k + 1) * recipe.shard_size]
 
     manifest_path = out / "manifest.json"
     old: dict = {}
@@ -354,7 +446,8 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
         if old.get("fingerprint") != fp:
             if not overwrite:
                 changed = sorted(k for k in set(old.get("recipe", {})) | set(to_dict(recipe))
-                                 if k not in ("out", "device") and old.get("recipe", {}).get(k) != to_dict(recipe).get(k))
+                                 if k not in ("out", "device", "reuse")
+                                 and old.get("recipe", {}).get(k) != to_dict(recipe).get(k))
                 old_dtype = old.get("target", {}).get("dtype")
                 if old_dtype and old_dtype != dtype_name(dtype) and "dtype" not in changed:
                     changed.append(f"dtype {old_dtype} → {dtype_name(dtype)} (auto: bfloat16 on CUDA, float32 on CPU)")
@@ -390,24 +483,37 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
         "started_unix": old.get("started_unix", round(t_start, 1)), "sessions": old.get("sessions", 0) + 1,
         "prompts": sel.stats, "shards": n_shards, "planned_rows": len(units), "columns": list(COLUMNS),
     }
-    atomic_write_json(manifest_path, {**base, "status": "running", "completed_shards": len(done)}, indent=2)
+
+    def reuse_block() -> dict:
+        block = {"folder": shipped_answers._portable(reuse.folder) if reuse.folder else None,
+                 "rows_reused": sum(m.get("reused_rows", 0) for m in done.values())}
+        return {**block, "skipped": reuse.skipped} if reuse.skipped else block
+
+    atomic_write_json(manifest_path, {**base, "status": "running", "completed_shards": len(done),
+                                      "reuse": reuse_block()}, indent=2)
 
     pending = [k for k in range(n_shards) if k not in done]
     session_tokens, session_gen_s = 0, 0.0
+    if pending and reuse.notice:
+        print(reuse.notice, file=sys.stderr)
+    taken = {u.uid: row for k in pending for u in shard_units(k)
+             if (row := reuse.row_for(u, prompt_ids[u.prompt])) is not None}
     if pending:
-        if model is None:
-            from decode.core.models import load_model
+        eos_ids: set[int] = set()
+        if any(u.uid not in taken for k in pending for u in shard_units(k)):  # else the target is never loaded
+            if model is None:
+                from decode.core.models import load_model
 
-            model, _ = load_model(recipe.target, dtype=dtype, device=device,
-                                  trust_remote_code=recipe.trust_remote_code)
-            base["target"]["model"] = type(model).__name__
-        limit = getattr(model.config, "max_position_embeddings", None)
-        longest = max(len(ids) for ids in prompt_ids) + gen.max_new_tokens
-        if limit and longest > limit:
-            raise UserError(f"generation: the longest prompt ({longest - gen.max_new_tokens} tokens) plus "
-                            f"max_new_tokens ({gen.max_new_tokens}) exceeds the target's context of {limit}; "
-                            f"lower generation.max_prompt_tokens or generation.max_new_tokens")
-        eos_ids = set(eos_token_ids(model, tokenizer))
+                model, _ = load_model(recipe.target, dtype=dtype, device=device,
+                                      trust_remote_code=recipe.trust_remote_code)
+                base["target"]["model"] = type(model).__name__
+            limit = getattr(model.config, "max_position_embeddings", None)
+            longest = max(len(ids) for ids in prompt_ids) + gen.max_new_tokens
+            if limit and longest > limit:
+                raise UserError(f"generation: the longest prompt ({longest - gen.max_new_tokens} tokens) plus "
+                                f"max_new_tokens ({gen.max_new_tokens}) exceeds the target's context of {limit}; "
+                                f"lower generation.max_prompt_tokens or generation.max_new_tokens")
+            eos_ids = set(eos_token_ids(model, tokenizer))
         from tqdm.auto import tqdm
 
         threads_before = torch.get_num_threads()
@@ -427,10 +533,15 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
                                     refresh=True)
         try:
             for k in pending:
-                shard_units = units[k * recipe.shard_size:(k + 1) * recipe.shard_size]
-                rows, tokens, secs = [], 0, 0.0
-                for b in range(0, len(shard_units), gen.batch_size):
-                    batch = shard_units[b:b + gen.batch_size]
+                planned = shard_units(k)
+                by_uid = {u.uid: _reused_row(recipe, tokenizer, prompts[u.prompt], prompt_text[u.prompt],
+                                             prompt_ids[u.prompt], u, taken[u.uid])
+                          for u in planned if u.uid in taken}
+                bar.update(len(by_uid))
+                fresh = [u for u in planned if u.uid not in by_uid]  # generated in batches, seeded as always
+                tokens, secs = 0, 0.0
+                for b in range(0, len(fresh), gen.batch_size):
+                    batch = fresh[b:b + gen.batch_size]
                     g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + k * 10_007 + b)
                     t0 = time.perf_counter()
                     outs = generate_batch(model, [prompt_ids[u.prompt] for u in batch],
@@ -444,20 +555,22 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
                     session_tokens += n_tok
                     session_gen_s += time.perf_counter() - t0
                     for u, o in zip(batch, outs):
-                        rows.append(_row(recipe, tokenizer, prompts[u.prompt], prompt_text[u.prompt],
-                                         prompt_ids[u.prompt], u, o, eos_ids))
+                        by_uid[u.uid] = _row(recipe, tokenizer, prompts[u.prompt], prompt_text[u.prompt],
+                                             prompt_ids[u.prompt], u, o, eos_ids)
                     bar.update(len(batch))
+                rows = [by_uid[u.uid] for u in planned]  # plan order, reused or not
                 meta = {"fingerprint": fp, "shard": k, "rows": len(rows), "generated_tokens": tokens,
-                        "generation_seconds": round(secs, 3)}
+                        "generation_seconds": round(secs, 3), "reused_rows": len(rows) - len(fresh)}
                 _write_shard(_shard_path(out, k), rows, meta)
                 done[k] = meta
-                atomic_write_json(manifest_path, {**base, "status": "running", "completed_shards": len(done)}, indent=2)
+                atomic_write_json(manifest_path, {**base, "status": "running", "completed_shards": len(done),
+                                                  "reuse": reuse_block()}, indent=2)
         finally:
             bar.close()
             torch.set_num_threads(threads_before)
 
     manifest = {**base, **_summarise(out, n_shards, done, recipe), "status": "complete",
-                "completed_shards": len(done),
+                "completed_shards": len(done), "reuse": reuse_block(),
                 "time": {"finished_unix": round(time.time(), 1), "this_session_seconds": round(time.time() - t_start, 2),
                          "this_session_generation_seconds": round(session_gen_s, 2),
                          "this_session_generated_tokens": session_tokens}}
@@ -474,6 +587,15 @@ def _row(recipe, tokenizer, prompt, prompt_text, prompt_ids, unit: Unit, o: Gene
         "temperature": unit.temperature, "finish_reason": o.finish_reason, "prompt_tokens": len(prompt_ids),
         "response_tokens": len(o.ids), "filtered": first_match(text, body, o.finish_reason, recipe.filters),
     }
+
+
+def _reused_row(recipe, tokenizer, prompt, prompt_text, prompt_ids, unit: Unit, shipped: dict) -> dict:
+    """The row :func:`_row` would write for a shipped answer: same text decoding, filters recomputed."""
+    ids = list(shipped["response_ids"])
+    # generate_batch says "stop" only when the last token is an end-of-sequence token: that one is stripped
+    eos = {ids[-1]} if shipped["finish_reason"] == "stop" and ids else set()
+    return _row(recipe, tokenizer, prompt, prompt_text, prompt_ids, unit, Generation(ids, shipped["finish_reason"]),
+                eos)
 
 
 def _summarise(out: Path, n_shards: int, done: dict, recipe: DistillRecipe) -> dict:
@@ -493,13 +615,14 @@ def _summarise(out: Path, n_shards: int, done: dict, recipe: DistillRecipe) -> d
     kept = filtered.pop("kept", 0)
     gen_s = sum(m["generation_seconds"] for m in done.values())
     gen_tok = sum(m["generated_tokens"] for m in done.values())
+    gen_rows = rows - sum(m.get("reused_rows", 0) for m in done.values())
     return {
         "counts": {"rows": rows, "kept": kept, "filtered": sum(filtered.values()), "response_tokens": resp_tokens,
                    "finish_reason": dict(finish), "rows_per_temperature": dict(per_temp)},
         "filters": {"rules": list(recipe.filters.rules), "dropped": {r: filtered.get(r, 0) for r in recipe.filters.rules}},
         "throughput": {"generated_tokens": gen_tok, "generation_seconds": round(gen_s, 2),
                        "tokens_per_s": round(gen_tok / gen_s, 2) if gen_s else None,
-                       "rows_per_s": round(rows / gen_s, 3) if gen_s else None,
+                       "rows_per_s": round(gen_rows / gen_s, 3) if gen_s else None,
                        "batch_size": recipe.generation.batch_size},
     }
 
@@ -564,7 +687,11 @@ def run(args) -> int:
         print(dump_yaml(recipe), end="")
         return 0
     m = distill(recipe, overwrite=args.overwrite, progress=not args.no_progress)
-    c, tp = m["counts"], m["throughput"]
-    print(f"distill {recipe.task}: {c['rows']} rows ({c['kept']} kept, filtered {m['filters']['dropped']}), "
-          f"{c['response_tokens']} response tokens, {tp['tokens_per_s']} tok/s → {recipe.out_dir}", file=sys.stderr)
+    c, tp, ru = m["counts"], m["throughput"], m["reuse"]
+    reused = (f"{ru['rows_reused']} reused" + (f" from {ru['folder']}" if ru["folder"] else "")
+              if ru["rows_reused"] else "none reused")
+    speed = f"{tp['tokens_per_s']} tok/s" if tp["tokens_per_s"] is not None else "no tokens generated"
+    print(f"distill {recipe.task}: {c['rows']} rows ({c['kept']} kept, filtered {m['filters']['dropped']}; "
+          f"{reused}, {c['rows'] - ru['rows_reused']} generated), {c['response_tokens']} response tokens, "
+          f"{speed} → {recipe.out_dir}", file=sys.stderr)
     return 0
