@@ -76,10 +76,11 @@ distill: $(STAMP)
 # A drafter pool end to end (toolkit/pool.py): distill → train the pool's arms → runs/pools/<target>-<budget>/pool.yaml
 # → decode eval on the dev suite → report. Rerun to resume (finished stages are skipped).
 #   make pool [TARGET=smollm2-135m-instruct] [BUDGET=small|medium|large]   (small: ≤ 60 min on a 2-core CPU)
+#   make pool BUDGET=gpu DEVICE=cuda   (≤ 10 min on one H100: EAGLE-3, 7 TTT steps, a large ShareGPT mix)
 BUDGET ?= small
 .PHONY: pool
 pool: $(STAMP)
-	$(PY) -m toolkit pool --budget $(BUDGET) $(if $(TARGET),--target $(TARGET))
+	$(PY) -m toolkit pool --budget $(BUDGET) $(if $(TARGET),--target $(TARGET)) $(if $(DEVICE),--device $(DEVICE))
 
 # The EAGLE head the repository ships (pretrained/<target>/eagle, used by `make demo`): the medium pool's
 # distill + EAGLE stages (~100 min on a 2-core CPU), then `toolkit ship` (float16 weights, run record,

@@ -70,3 +70,38 @@ def test_every_stage_command_sets_each_key_once(name, tmp_path):
         assert len(keys) == len(set(keys)), argv
     eagle = dict(plan("t", "medium", tmp_path, SUITE))["train:eagle"]
     assert "open_text.fraction=0.9" in eagle and "open_text.fraction=0.95" not in eagle
+
+
+def test_gpu_budget_runs_end_to_end_on_cpu_when_shrunk(smol_path, tmp_path, capsys, monkeypatch):
+    """The gpu budget's pipeline (float32 distill, EAGLE-3 with 7 TTT steps on a ShareGPT mix, features online,
+    dev eval) at a smoke size on the CPU, which it only accepts when --device cpu asks for it."""
+    import dataclasses
+
+    from helpers import save_tiny_target
+    from toolkit import pool
+
+    tiny_target_dir = save_tiny_target(tmp_path / "target4", smol_path, layers=8)  # EAGLE-3 fuses layers (2, 4, 5)
+
+    gpu = BUDGETS["gpu"]
+    eagle = dict(plan("t", "gpu", tmp_path, SUITE, "cuda"))["train:eagle"]
+    assert {"head.ttt_steps=7", "feature_cache.enabled=false", "open_text.source=sharegpt", "train.device=cuda"} \
+        <= set(eagle) and "recipes/heads/eagle3.yaml" in " ".join(eagle)
+    small = dataclasses.replace(gpu, tasks=("math",), prompts=2, max_new_tokens=16, eagle_minutes=None, eagle_steps=2,
+                                eval_tokens=8, distill_overrides=gpu.distill_overrides + ("filters.rules=[]",),
+                                eagle_overrides=gpu.eagle_overrides + ("open_text.max_rows=8",))
+    monkeypatch.setitem(pool.BUDGETS, "gpu", small)
+    out = tmp_path / "pool"
+    argv = ["pool", "--target", tiny_target_dir, "--budget", "gpu", "--out", str(out), "--suite", SUITE]
+    if not __import__("torch").cuda.is_available():
+        assert main(argv) == 2 and "sized for one GPU" in capsys.readouterr().err
+    assert main(argv + ["--device", "cpu", "--stop-after", "train:eagle"]) == 0
+    head = json.loads((out / "heads" / "eagle3" / "head.json").read_text())
+    trained = json.loads((out / "heads" / "eagle3" / "eval.json").read_text())["recipe"]
+    assert head["layer"] == "eagle3" and head["feature_layers"] == [2, 4, 5] and trained["head"]["ttt_steps"] == 7
+    assert json.loads((out / "distill" / "math" / "manifest.json").read_text())["target"]["dtype"] == "float32"
+    # resumed without --device (as on the machine that evaluates it): the finished stages stay finished
+    assert main(argv + ["--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "[pool] train:eagle: skip (finished)" in err and "[pool] eval: run" in err
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert any(m.startswith("arm:eagle") for m in report["summary"])

@@ -17,6 +17,11 @@ Budgets (what a 2-core CPU finishes in the time stated for the default target; l
 * ``medium``: six tasks × 32 prompts, answers 10% of the EAGLE mix; EAGLE (≤ 55 min; distill + EAGLE ≈ 100 min)
   and an early-exit head (60 min); dev × 2 prompts.
 * ``large``: six tasks × 512 prompts; EAGLE 8 h, early exit 4 h; dev × 5 prompts.
+* ``gpu`` (``make pool BUDGET=gpu DEVICE=cuda``; ≤ 10 min on one H100): six tasks × 64 prompts distilled on the GPU in
+  float32 (the shipped answers' conditions, so they are reused and can be extended), then an EAGLE-3 head (fused
+  features, 7 training-time-test steps) on those answers + 19× as many ShareGPT conversations, target features
+  computed online (no cache: the target forward is cheap on a GPU), 4 minutes; dev × 1 prompt, 96 tokens. It
+  refuses to start on a CPU unless ``--device cpu`` asks for that knowingly.
 * ``tiny``: a smoke run (one task, two prompts, two training steps, one eval prompt) for tests and for
   checking a new target's plumbing in minutes.
 """
@@ -55,6 +60,7 @@ class Budget:
     distill_overrides: tuple[str, ...] = ()
     eagle_overrides: tuple[str, ...] = ()  # EAGLE recipe fields (recipes/heads/eagle.yaml) for this budget
     eagle_style: str = "eagle"  # "eagle" (EAGLE-1: recipes/heads/eagle.yaml) or "eagle3" (recipes/heads/eagle3.yaml)
+    gpu: bool = False  # sized for a GPU: refused on a CPU unless --device cpu is passed knowingly
 
 
 # teacher-forced EAGLE training at scale: the distilled answers + 19× as many streamed ShareGPT conversations,
@@ -85,6 +91,14 @@ BUDGETS: dict[str, Budget] = {
     # sized to finish its distill + EAGLE stages in one ~90-minute CPU session (machines here do not outlive one)
     "medium": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 32, 256, 58, -1, 60, 2, 96,
                      epochs=9, eagle_overrides=MEDIUM_MIX),
+    # one H100, ≤ 10 minutes: distill in float32 (what the CPU target decodes in, and the shipped answers'
+    # conditions), EAGLE-3 with EAGLE-3's 7 TTT steps on a 95% ShareGPT mix, features online, batch 32
+    "gpu": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 64, 256, 4, -1, None, 1, 96,
+                  epochs=4, gpu=True, eagle_style="eagle3",
+                  distill_overrides=("dtype=float32", "generation.batch_size=64"),
+                  eagle_overrides=_with(AT_SCALE, "feature_cache.enabled=false", "train.batch_size=32",
+                                        "head.ttt_steps=7", "data.max_length=256", "data.heldout_fraction=0.125",
+                                        "data.heldout_max=48", "train.save_steps=500", "train.logging_steps=100")),
     "large": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 512, 256, 480, -1, 240, 5, 128,
                     epochs=8, eagle_overrides=AT_SCALE),
 }
@@ -95,6 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", default="small", help=f"one of {', '.join(BUDGETS)} (default: %(default)s)")
     p.add_argument("--out", help="pool folder (default: runs/pools/<target>-<budget>)")
     p.add_argument("--suite", default=DEV_SUITE, help="evaluation suite (default: Spec-Bench dev)")
+    p.add_argument("--device", help="cpu | cuda[:N] for every stage (default: each stage's auto: CUDA when a GPU "
+                                     "is visible); the gpu budget needs a GPU unless --device cpu")
     p.add_argument("--dry-run", action="store_true", help="print the stages' commands and whether each would run")
     p.add_argument("--fresh", action="store_true", help="forget the finished stages (their outputs stay; each "
                                                          "stage's own resume then decides)")
@@ -107,19 +123,21 @@ def _slug(target: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(target).name if os.sep in target else target).strip("-") or "target"
 
 
-def plan(target: str, budget_name: str, out: Path, suite: str) -> list[tuple[str, list[str]]]:
-    """The stages in order: (name, argv after the python executable)."""
+def plan(target: str, budget_name: str, out: Path, suite: str, device: str | None = None
+         ) -> list[tuple[str, list[str]]]:
+    """The stages in order: (name, argv after the python executable). ``device`` (cpu, cuda[:N]) is passed to
+    every stage; None leaves each stage's own ``auto``."""
     b = BUDGETS[budget_name]
     distill_root = out / "distill"
     stages: list[tuple[str, list[str]]] = []
     for task in b.tasks:
         stages.append((f"distill:{task}", [
             "-m", "toolkit", "distill", "--task", task, f"target={target}", f"num_prompts={b.prompts}",
-            f"generation.max_new_tokens={b.max_new_tokens}", f"out={distill_root / task}", *b.distill_overrides,
-            "--no-progress"]))
+            f"generation.max_new_tokens={b.max_new_tokens}", f"out={distill_root / task}",
+            *([f"device={device}"] if device else []), *b.distill_overrides, "--no-progress"]))
     task = "all" if len(b.tasks) > 1 else b.tasks[0]
     common = [f"target={target}", f"data.root={distill_root}", f"train.max_steps={b.eagle_steps}",
-              f"train.epochs={b.epochs}"]
+              f"train.epochs={b.epochs}", *([f"train.device={device}"] if device else [])]
     eagle = out / "heads" / b.eagle_style
     style_recipe = REPO_ROOT / "recipes" / "heads" / f"{b.eagle_style}.yaml"
     recipe = [] if b.eagle_style == "eagle" else ["--recipe", str(style_recipe)]
@@ -139,7 +157,8 @@ def plan(target: str, budget_name: str, out: Path, suite: str) -> list[tuple[str
                             "--limit", str(b.eval_limit), "--max-new-tokens", str(b.eval_tokens),
                             "--pool", str(out / "pool.yaml"), "--arms", "",
                             "--policies", "ucbspec;router:carry=true;ucbspec:fullinfo=true",
-                            "--out", str(out / "eval" / "report.json"), "--no-progress"]))
+                            "--out", str(out / "eval" / "report.json"), "--no-progress",
+                            *(["--device", device] if device else [])]))
     return stages
 
 
@@ -171,15 +190,21 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE
     state = {} if args.fresh else _load_state(state_path)
-    stages = plan(args.target, args.budget, out, str(suite.resolve()))
+    budget = BUDGETS[args.budget]
+    if args.device is not None:
+        from toolkit.config import check_device_spec
+        check_device_spec(args.device, "--device")
+    if budget.gpu and not args.dry_run:
+        _require_gpu(args.budget, args.device)
+    stages = plan(args.target, args.budget, out, str(suite.resolve()), args.device)
     names = [name for name, _ in stages]
     if args.stop_after is not None and args.stop_after not in names:
         raise UserError(f"--stop-after must name one of this budget's stages ({', '.join(names)}), "
                         f"got '{args.stop_after}'")
-    state.setdefault("budget", asdict(BUDGETS[args.budget]))
+    state.setdefault("budget", asdict(budget))
     done = state.setdefault("stages", {})
     for name, argv in stages:
-        finished = done.get(name, {}).get("command") == argv
+        finished = _placement_free(done.get(name, {}).get("command")) == _placement_free(argv)
         print(f"[pool] {name}: {'skip (finished)' if finished else 'run'}"
               + (f"  $ python {' '.join(argv)}" if args.dry_run and argv[0] == "-m" else ""), file=sys.stderr)
         if not (finished or args.dry_run):
@@ -190,6 +215,34 @@ def run(args) -> int:
     if not args.dry_run:
         print(f"[pool] done: pool {out / 'pool.yaml'}, report {out / 'eval' / 'report.md'}", file=sys.stderr)
     return 0
+
+
+def _placement_free(argv: list[str] | None) -> list[str] | None:
+    """A stage's command without its device: a stage finished on a GPU stays finished when the pool is resumed on
+    a CPU (its outputs do not depend on where it ran beyond the dtype, which stays in the command)."""
+    if argv is None:
+        return None
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--device":
+            skip = True
+        elif not a.startswith(("device=", "train.device=")):
+            out.append(a)
+    return out
+
+
+def _require_gpu(name: str, device: str | None) -> None:
+    """A GPU-sized budget on a CPU would run for hours: refused unless ``--device cpu`` says it is meant."""
+    if device is not None and device.startswith("cpu"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError(f"--budget {name} is sized for one GPU (≤ 10 min on an H100) and this machine has no CUDA "
+                        f"device; run it where one is (--device cuda), pick --budget small|medium for a CPU, or "
+                        f"pass --device cpu to run it here knowingly (hours)")
 
 
 def _run_stage(name: str, argv: list[str], out: Path, args, state: dict, state_path: Path) -> None:
