@@ -290,3 +290,23 @@ def test_a_reader_closing_the_pipe_early_is_not_a_traceback():
                        executable="/bin/bash")
     assert p.stdout == "x" * 100 + "\n"
     assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
+def test_decode_commands_build_without_the_serving_stack():
+    """`decode eval` must not need fastapi/uvicorn/prometheus (a GPU image without them, a training box): every
+    subcommand's parser imports its module, so only `decode serve` may load the HTTP stack, when it runs."""
+    import subprocess
+    import sys
+
+    code = ("import builtins, sys\n"
+            "real = builtins.__import__\n"
+            "def fake(name, *a, **k):\n"
+            "    if name.split('.')[0] in ('fastapi', 'uvicorn', 'starlette', 'prometheus_client'):\n"
+            "        raise ImportError('No module named ' + name)\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = fake\n"
+            "from decode.commands.cli import main\n"
+            "sys.exit(main(['eval', '--help']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "usage: decode eval" in r.stdout

@@ -27,19 +27,12 @@ from starlette.requests import ClientDisconnect
 
 from ...core.sampling import SamplingConfig
 from ...evaluation.suites import encode_messages
+from .limits import BODY_BYTES_PER_TOKEN, BODY_SLACK, default_max_body_bytes  # noqa: F401 (re-exported)
 from .protocol import APIError, ChatRequest, CompletionRequest, parse_request
 from .worker import Job, Result, Worker
 
 log = logging.getLogger("decode.commands.serve")
 POLL = 0.25  # seconds between checks that a waiting client is still there
-BODY_BYTES_PER_TOKEN = 64  # a generous bound on the JSON bytes one token of prompt takes (escapes included)
-BODY_SLACK = 64 * 1024  # the rest of a request: fields, message wrappers, whitespace
-
-
-def default_max_body_bytes(context: int) -> int:
-    """The default --max-body-bytes: room for a prompt filling the whole context at a generous
-    BODY_BYTES_PER_TOKEN, plus BODY_SLACK for the rest of the JSON."""
-    return context * BODY_BYTES_PER_TOKEN + BODY_SLACK
 
 
 def longest_token_chars(tokenizer) -> int:

@@ -29,9 +29,7 @@ from ...core.sampling import SamplingConfig
 from ...common.specs import split_specs
 from ...evaluation.suites import encode_prompt
 from ..generate import load_engine
-from .app import BODY_BYTES_PER_TOKEN, BODY_SLACK, ServeConfig, create_app, default_max_body_bytes
-from .metrics import ServerMetrics
-from .worker import Worker
+from .limits import BODY_BYTES_PER_TOKEN, BODY_SLACK, default_max_body_bytes
 
 SHIPPED_POOL = REPO_ROOT / "recipes" / "pools" / "pretrained.yaml"
 MODEL_FREE_ARMS = "pld:L=4;suffix:L=6"
@@ -117,6 +115,11 @@ def default_state_file(target: str, labels: list[str], policy: str) -> Path:
 
 def build_server(args, err=sys.stderr):
     """(app, worker, config) for ``args``: the target loaded, the pool built and warmed up, the state loaded."""
+    # the HTTP stack loads here, not at import: every decode subcommand's parser imports this module
+    from .app import ServeConfig, create_app
+    from .metrics import ServerMetrics
+    from .worker import Worker
+
     check_args(args)
     specs = arm_specs(args)
     model, tok, engine, gen = load_engine(args, specs, SamplingConfig(), err)
