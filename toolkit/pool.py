@@ -95,7 +95,7 @@ BUDGETS: dict[str, Budget] = {
     # conditions), EAGLE-3 with EAGLE-3's 7 TTT steps on a 95% ShareGPT mix, features online, batch 32
     "gpu": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 64, 256, 4, -1, None, 1, 96,
                   epochs=4, gpu=True, eagle_style="eagle3",
-                  distill_overrides=("dtype=float32", "generation.batch_size=64"),
+                  distill_overrides=("dtype=float32", "generation.batch_size=128"),
                   eagle_overrides=_with(AT_SCALE, "feature_cache.enabled=false", "train.batch_size=32",
                                         "head.ttt_steps=7", "data.max_length=256", "data.heldout_fraction=0.125",
                                         "data.heldout_max=48", "train.save_steps=500", "train.logging_steps=100")),
