@@ -376,3 +376,33 @@ def test_heads_train_on_cuda(tiny_distilled):
     dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
     assert json.loads((d / "ee_cuda" / "run.json").read_text())["train"]["dtype"] == dtype
     assert json.loads((d / "cal_cuda" / "eval.json").read_text())["heldout"]["rows"] > 0
+
+
+def test_eagle_warm_starts_from_a_trained_head(tiny_distilled, capsys):
+    """head.init_from: training starts from that head's weights and draft vocabulary (with a vanishing lr the result
+    is the source head), and a source of another layout is refused naming the field."""
+    import json
+
+    from decode.core.models import load_model
+    from toolkit.train import eagle
+
+    d, tiny, common = tiny_distilled
+    quick = common + ["train.max_steps=2", "open_text.fraction=0"]
+    assert eagle.main(quick + [f"out_dir={d}/warm_src", "draft_vocab.size=40"]) == 0
+    # the recipe asks for another vocabulary size: the source's is kept (its LM head rows index it)
+    assert eagle.main(quick + [f"out_dir={d}/warm_lr0", f"head.init_from={d}/warm_src", "train.lr=1e-30",
+                               "draft_vocab.size=60"]) == 0
+    target, _ = load_model(tiny)
+    src, same = load_head(d / "warm_src", target), load_head(d / "warm_lr0", target)
+    assert torch.equal(src.draft_vocab.d2t, same.draft_vocab.d2t)
+    a, b = src.trainable_state_dict(), same.trainable_state_dict()
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-20) for k in a)
+    assert eagle.main(quick + [f"out_dir={d}/warm_lr", f"head.init_from={d}/warm_src", "train.lr=0.05"]) == 0
+    moved = load_head(d / "warm_lr", target).trainable_state_dict()
+    assert any(not torch.equal(a[k], moved[k]) for k in a)
+    assert json.loads((d / "warm_lr" / "run.json").read_text())["head"]["init_from"] == f"{d}/warm_src"
+    # another layout (the source has an fc bias and an input norm; the recipe asks for neither)
+    capsys.readouterr()
+    assert eagle.main(quick + [f"out_dir={d}/warm_bad", f"head.init_from={d}/warm_src", "head.fc_bias=false"]) == 2
+    assert "head.fc_bias=False here, True there" in capsys.readouterr().err
+    assert eagle.main(quick + [f"out_dir={d}/warm_none", f"head.init_from={d}/nowhere"]) == 2

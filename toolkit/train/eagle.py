@@ -31,6 +31,7 @@ Deviations from EAGLE-3's reference training (SafeAILab/EAGLE ``traineagle3``), 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
@@ -71,6 +72,10 @@ class EagleSection:
     # fused only: eagle1 = fc(cat[emb, g]) + the target's layer class; eagle3 = EAGLE-3's own first layer (separate
     # norms, 2d q/k/v, no fc): the layout speculators' Eagle3 holds, so `toolkit export --format speculators` is exact
     layer: Literal["eagle1", "eagle3"] = "eagle1"
+    # warm start: a trained EAGLE head folder (e.g. pretrained/<target>/eagle) whose weights and draft vocabulary the
+    # head starts from instead of `init`; its layout (features, feature_layers, layer, input_norm, fc_bias) must be
+    # this section's, and the recipe's draft_vocab is then not built (the source's vocabulary indexes its LM head)
+    init_from: str | None = None
 
     def __post_init__(self):
         if self.ce_weight < 0 or self.noise < 0:
@@ -300,17 +305,40 @@ def heldout_agreement(module: EagleTrainModule, examples, progress: bool = True,
     return report
 
 
-_EAGLE3_FIELDS = ("features", "feature_layers", "ttt_steps", "ttt_decay", "layer")
+_LATER_FIELDS = ("features", "feature_layers", "ttt_steps", "ttt_decay", "layer", "init_from")
 
 
 def _fingerprint(section: EagleSection) -> dict:
-    """The head section as checkpoints record it; the EAGLE-3 fields only when set away from their defaults, so
-    EAGLE-1 runs started before they existed still resume."""
+    """The head section as checkpoints record it; the fields added after EAGLE-1 (EAGLE-3's, the warm start) only
+    when set away from their defaults, so runs started before they existed still resume."""
     from toolkit.config import to_dict
 
     default = EagleSection()
     return {k: v for k, v in to_dict(section).items()
-            if k not in _EAGLE3_FIELDS or getattr(section, k) != getattr(default, k)}
+            if k not in _LATER_FIELDS or getattr(section, k) != getattr(default, k)}
+
+
+def warm_start_head(section: EagleSection, folder: str, target, n_layers: int) -> EagleHead:
+    """``head.init_from``: the trained head in ``folder`` on ``target``, to train further. Its layout must be the
+    one ``section`` asks for (a different one would silently train another architecture than the recipe says)."""
+    from decode.choose.heads import load_head
+    path = Path(folder).expanduser()
+    repo_root = Path(__file__).resolve().parents[2]
+    if not path.is_absolute() and not path.exists() and (repo_root / path).exists():
+        path = repo_root / path  # like the pool files' paths: the working directory, then the repository root
+    head = load_head(path, target, expect="eagle")
+    layers = section.layers(n_layers)
+    wanted = {"features": section.features, "feature_layers": None if layers is None else tuple(layers),
+              "layer": section.layer, "input_norm": section.input_norm,
+              "fc_bias": section.fc_bias and section.layer == "eagle1"}  # an eagle3 layer has no fc
+    have = {"features": "fused" if head.fused else "final",
+            "feature_layers": tuple(head.feature_layers) if head.fused else None, "layer": head.layer,
+            "input_norm": head.input_norm, "fc_bias": head.fc_bias}
+    diffs = [f"head.{k}={wanted[k]!r} here, {have[k]!r} there" for k in wanted if wanted[k] != have[k]]
+    if diffs:
+        raise UserError(f"head.init_from={folder}: that head's layout differs from this recipe's ({'; '.join(diffs)}); "
+                        "set those fields as the head has them, or drop head.init_from")
+    return head.train()
 
 
 def _cached_tensors(target, layers: tuple[int, ...]):
@@ -327,10 +355,18 @@ def train(recipe: EagleRecipe) -> dict:
 
     # EAGLE-3-style runs default to their own folder (runs/heads/eagle3/<task>), so both styles can sit side by side
     eagle3 = recipe.head.features == "fused" or recipe.head.ttt_steps > 1
-    st = text_setup(recipe, "eagle3" if eagle3 else KIND)
-    head = EagleHead(st.target, init=recipe.head.init, draft_vocab=st.vocab, input_norm=recipe.head.input_norm,
-                     fc_bias=recipe.head.fc_bias, feature_layers=recipe.head.layers(st.target.config.num_hidden_layers),
-                     layer=recipe.head.layer)
+    warm = recipe.head.init_from
+    st = text_setup(recipe, "eagle3" if eagle3 else KIND, build_vocab=warm is None)
+    n_layers = st.target.config.num_hidden_layers
+    if warm is not None:
+        head = warm_start_head(recipe.head, warm, st.target, n_layers)
+        st.vocab = head.draft_vocab
+        print(f"warm start from {warm}: its weights and its draft vocabulary "
+              f"({'full' if st.vocab is None else len(st.vocab)} tokens)", flush=True)
+    else:
+        head = EagleHead(st.target, init=recipe.head.init, draft_vocab=st.vocab, input_norm=recipe.head.input_norm,
+                         fc_bias=recipe.head.fc_bias, feature_layers=recipe.head.layers(n_layers),
+                         layer=recipe.head.layer)
     fp = head_fingerprint(recipe, KIND, st.place, examples=len(st.train), head=_fingerprint(recipe.head),
                           draft_vocab=to_dict(recipe.draft_vocab))
     train_ds, collate = with_feature_cache(

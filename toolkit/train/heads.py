@@ -220,14 +220,15 @@ class TextSetup:
         return None if self.vocab is None else self.vocab.info
 
 
-def text_setup(recipe, kind: str) -> TextSetup:
-    """Placement first (an impossible device fails before the target loads), then target, data, vocabulary."""
+def text_setup(recipe, kind: str, build_vocab: bool = True) -> TextSetup:
+    """Placement first (an impossible device fails before the target loads), then target, data, vocabulary
+    (``build_vocab=False``: none, the caller brings its own, e.g. a warm-started head's)."""
     out = out_dir_of(recipe, kind)
     place = head_placement(recipe)
     target, tok = load_frozen_target(recipe.target, place)
     distilled, held = tokenized_splits(recipe, tok)
     train_ds, n_open = with_open_text(distilled, recipe.open_text, tok, recipe.data.max_length, recipe.train.seed)
-    vocab = build_draft_vocab(recipe.draft_vocab, distilled, tok, target)
+    vocab = build_draft_vocab(recipe.draft_vocab, distilled, tok, target) if build_vocab else None
     return TextSetup(out, place, target, tok, distilled, held, train_ds, n_open, vocab)
 
 
