@@ -1,0 +1,138 @@
+"""Batched speculative rounds (decode/engine/batch.py, issue 32 §1): every row's output is its own plain decoding
+whatever its batch-mates do — mixed prompt lengths, different arms and lengths per row, EOS at different rounds,
+rows joining mid-flight — and sampled rows follow the target's distribution."""
+import collections
+
+import pytest
+import torch
+
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.policies import build_policy
+from decode.common.errors import UserError
+from decode.core.sampling import SamplingConfig
+from decode.core.verify import Verifier
+from decode.engine.batch import BatchEngine, RowCache
+from helpers import TinyTokenizer, plain_greedy, tiny_llama
+
+GREEDY = SamplingConfig()
+POOL = ["none", "pld:L=3", "suffix:L=4", "pld:L=1"]
+# repetitive prompts (lookup arms find matches, so drafts get accepted and rejected), one of length 1
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [5], [3, 3, 8, 3, 3, 8, 3, 3, 8, 3],
+           [12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40], [2, 4]]
+
+
+def _engine(model, pool=POOL, policy="random", sampling=GREEDY, eos=(), seed=0, **kw):
+    env = ArmEnv(model, TinyTokenizer(model.config.vocab_size), sampling)
+    seeds = iter(range(seed, seed + 10_000))
+    return BatchEngine(model, lambda: [build_arm(s, env) for s in pool],
+                       lambda K: build_policy(policy, K, 4, seed=next(seeds)),
+                       Verifier(sampling, "torch", torch.Generator().manual_seed(seed)), eos, **kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab=64, layers=2, seed=3, peaked=4.0).double()  # float64: no near-tie flips between shapes
+
+
+@pytest.mark.parametrize("max_batch", [None, 1, 2, 4])
+def test_batched_greedy_rows_equal_their_plain_greedy_decoding(model, max_batch):
+    eng = _engine(model)
+    rows = eng.generate(PROMPTS, 24, max_batch=max_batch)
+    for p, r in zip(PROMPTS, rows):
+        assert r.tokens == plain_greedy(model, p, 24), p
+    pulled = collections.Counter(rec.arm for r in rows for rec in r.rounds)
+    assert len(pulled) == len(POOL)  # every arm played somewhere, rows mixed them
+    assert any(rec.accepted for r in rows for rec in r.rounds)  # drafts were accepted ...
+    assert any(rec.accepted < rec.drafted for r in rows for rec in r.rounds)  # ... and rejected
+    if max_batch in (None, 4):  # rows of different widths shared rounds
+        assert any(len(set(h.drafted)) > 1 for h in eng.history)
+    assert not eng.rows and eng.cache.rows == 0
+
+
+def test_rows_stop_at_their_own_eos_and_rows_join_mid_flight(model):
+    refs = [plain_greedy(model, p, 30) for p in PROMPTS]
+    eos = {refs[0][6], refs[3][2]}  # two rows stop early at different rounds
+    eng = _engine(model, eos=eos)
+    first = [eng.add(p, 30) for p in PROMPTS[:3]]
+    done = {}
+    for _ in range(3):
+        for r in eng.step():
+            done[r.rid] = r
+    late = [eng.add(p, 12) for p in PROMPTS[3:]]  # join after three rounds, with another budget
+    while eng.rows:
+        for r in eng.step():
+            done[r.rid] = r
+    for rid, p in zip(first + late, PROMPTS):
+        n = 30 if rid in first else 12
+        ref = plain_greedy(model, p, n)
+        cut = next((j + 1 for j, t in enumerate(ref) if t in eos), len(ref))
+        assert done[rid].tokens == ref[:cut], p
+        assert done[rid].stopped_by == ("eos" if cut < len(ref) or (ref and ref[-1] in eos) else "length")
+    assert done[first[0]].stopped_by == "eos"
+
+
+def test_the_cache_compacts_without_changing_outputs(model):
+    eng = _engine(model, pool=["pld:L=4", "suffix:L=4"], policy="random", compact_slack=4)
+    for p in PROMPTS:
+        eng.add(p, 40)
+    compactions = 0
+    rows = {}
+    while eng.rows:
+        before = eng.cache.slots
+        for r in eng.step():
+            rows[r.rid] = r
+        compactions += eng.cache.rows > 0 and eng.cache.slots < before
+        if eng.cache.rows:  # after a compaction the longest row fills its slots exactly
+            assert eng.cache.slots >= max(eng.cache.lengths())
+    assert compactions >= 1
+    for rid, p in enumerate(PROMPTS):
+        assert rows[rid].tokens == plain_greedy(model, p, 40)
+
+
+def test_row_cache_mask_sees_own_valid_slots_and_causal_block():
+    c = RowCache()
+    c.valid = torch.tensor([[True, False, True], [False, True, True]])
+    m = c.attention(torch.tensor([[True, True], [True, False]]), torch.float32, "cpu")
+    seen = m[:, 0] == 0
+    assert seen[0].tolist() == [[True, False, True, True, False], [True, False, True, True, True]]
+    assert seen[1].tolist() == [[False, True, True, True, False], [False, True, True, True, True]]  # pad: finite
+
+
+def test_neural_arms_and_cost_policies_are_refused_clearly(model):
+    env = ArmEnv(model, TinyTokenizer(64), GREEDY)
+    with pytest.raises(UserError, match="model-free arms"):
+        BatchEngine(model, lambda: [build_arm("pld:L=2", env), _FakeNeural()], lambda K: build_policy("random", K, 4),
+                    Verifier(GREEDY, "torch"))
+    with pytest.raises(UserError, match="cost curve"):
+        BatchEngine(model, lambda: [build_arm("pld:L=2", env)], lambda K: build_policy("router", K, 4),
+                    Verifier(GREEDY, "torch"))
+
+
+class _FakeNeural:
+    name, label, L, uses_target_hidden = "eagle", "eagle@2", 2, True
+
+
+@pytest.mark.slow
+def test_sampled_rows_follow_the_targets_distribution():
+    """Rejection sampling per row: the first two sampled tokens of a row whose lookup draft is usually wrong must
+    follow the target's own distribution (chi-square against the exact probabilities), batch-mates present."""
+    from scipy.stats import chisquare
+
+    m = tiny_llama(vocab=8, hidden=16, layers=1, seed=5).double()
+    cfg = SamplingConfig(temperature=1.0)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # pld proposes 3, 1, 2, ...
+    with torch.inference_mode():
+        p1 = torch.softmax(m(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    counts = collections.Counter()
+    n = 0
+    for seed in range(150):
+        eng = _engine(m, pool=["pld:L=3"], policy="fixed:arm=0", sampling=cfg, seed=seed)
+        rows = eng.generate([prompt] * 8 + [[4, 5, 6, 4, 5]], 2)
+        for r in rows[:8]:
+            counts[r.tokens[0]] += 1
+            n += 1
+    obs = torch.tensor([counts[t] for t in range(8)], dtype=torch.float64)
+    exp = p1.double() * n
+    keep = exp >= 5
+    pval = chisquare(obs[keep].numpy(), (exp[keep] / exp[keep].sum() * obs[keep].sum()).numpy()).pvalue
+    assert pval > 1e-3, (obs.tolist(), exp.tolist())
