@@ -6,7 +6,10 @@ interleaved (the order rotates per group, so machine noise hits every method ali
 * ``hf``: HF ``model.generate`` on the B prompts at once, left padding, greedy (the plain baseline at that B);
 * ``batch:none``: our batched rounds without speculation (one token per row per round);
 * ``batch:<arm>``: fixed speculation, every row plays that arm (``--fixed``, e.g. ``pld:L=3``);
-* ``batch:<policy>``: every row's own policy over ``--pool`` (``none`` included: a row may stop speculating).
+* ``batch:<policy>``: every row's own policy over ``--pool`` (``none`` included: a row may stop speculating), each
+  row drafting its arm's L;
+* ``batch:<policy>+cost``: the same, with the draft length chosen jointly for the batch from the learnt block cost
+  (decode/engine/batch.py ``length="cost"``: speculation backs off as the batch grows).
 
 Per method and B it prints goodput (generated tokens of the whole batch per second), per-request latency p50/p95
 (from the group's start to the row's last token; for ``hf`` every row ends with the batch), MAT (tokens per target
@@ -92,15 +95,17 @@ def main() -> int:
     greedy = SamplingConfig()
     env = ArmEnv(model, tok, greedy)
 
-    def engine(pool, policy):
+    def engine(pool, policy, length="fixed"):
         return BatchEngine(run, lambda: [build_arm(s, env) for s in pool],
-                           lambda K: build_policy(policy, K, 4, seed=0), Verifier(greedy, "torch"), eos, pad_id=pad)
+                           lambda K: build_policy(policy, K, 4, seed=0), Verifier(greedy, "torch"), eos, pad_id=pad,
+                           length=length)
 
     methods = {"hf": None, "batch:none": (["none"], "fixed:arm=0")}
     for arm in filter(None, a.fixed.split(";")):
         methods[f"batch:{arm}"] = ([arm], "fixed:arm=0")
     if a.policy:
         methods[f"batch:{a.policy}"] = (a.pool.split(";"), a.policy)
+        methods[f"batch:{a.policy}+cost"] = (a.pool.split(";"), a.policy, "cost")
     sizes = [int(b) for b in a.batch.split(",")]
     print(f"{len(prompts)} prompts, {a.max_new_tokens} tokens, {a.threads} threads, linear {a.linear}, "
           f"methods {', '.join(methods)}", file=sys.stderr)

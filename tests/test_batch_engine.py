@@ -136,3 +136,27 @@ def test_sampled_rows_follow_the_targets_distribution():
     keep = exp >= 5
     pval = chisquare(obs[keep].numpy(), (exp[keep] / exp[keep].sum() * obs[keep].sum()).numpy()).pvalue
     assert pval > 1e-3, (obs.tolist(), exp.tolist())
+
+
+def test_joint_length_backs_off_when_the_block_gets_expensive():
+    from decode.engine.batch import expected_tokens, joint_length
+
+    assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == 1.75
+    flat = lambda n: 1.0 + 0.02 * (n - 1)  # noqa: E731  (a small batch on a CPU: more positions are nearly free)
+    steep = lambda n: float(n)  # noqa: E731  (a large batch: every position costs a full forward)
+    assert joint_length([0.6] * 4, [4] * 4, flat) == 4
+    assert joint_length([0.6] * 4, [4] * 4, steep) == 0
+    assert joint_length([0.9, 0.1], [4, 4], lambda n: 1 + 0.3 * (n - 1)) in (2, 3, 4)  # one good row carries it
+    assert joint_length([0.6, 0.6], [0, 0], flat) == 0  # nothing to draft (the none arm, or no budget left)
+
+
+@pytest.mark.parametrize("max_batch", [None, 2])
+def test_cost_lengths_stay_lossless_and_learn_shared_acceptance(model, max_batch):
+    eng = _engine(model, pool=["none", "pld:L=4", "suffix:L=4"], policy="ucbspec", length="cost")
+    rows = eng.generate(PROMPTS, 24, max_batch=max_batch)
+    for p, r in zip(PROMPTS, rows):
+        assert r.tokens == plain_greedy(model, p, 24), p
+    assert eng.curves and all(c.sizes() for c in eng.curves.values())  # probed, then measured by the rounds
+    assert set(eng.acceptance.shared) - {0}  # drafting arms' acceptance pooled over the rows
+    widths = {h.width for h in eng.history}
+    assert len(widths) > 1  # K moved with what was learnt

@@ -96,6 +96,10 @@ class CostCurve:
                 out[str(b * self.bucket)] = {str(n): round(v, 3) for n, v in sorted(r.items())}
         return out
 
+    def sizes(self) -> set[int]:
+        """Every n measured, in any context bucket."""
+        return {n for (n, _), t in self._times.items() if t}
+
     def samples(self) -> int:
         return sum(len(t) for t in self._times.values())
 

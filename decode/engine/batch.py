@@ -18,9 +18,18 @@ Lossless per row: a row's tokens are what the verifier accepts from that row's o
 that row's visible slots; so its greedy output equals its plain greedy decoding whatever its batch-mates do, up to
 the float rounding of another batch shape (tests/test_batch_engine.py checks it on a float64 target).
 
-Not here yet (issue 32 §1–§3, later): neural arms (EAGLE, drafters) drafting batched, lengths chosen jointly for
-the batch from a learnt block-cost model, statistics shared across rows, ``decode eval --batch`` and a batching
-server. Arms that own a model or a cache are refused with a clear error.
+Lengths (``length="cost"``, issue 32 §2): the round's cost is its block's, B rows × W positions, learnt online per
+batch size (one :class:`~decode.core.cost.CostCurve` per B: c_B(W) = a W-wide forward over B rows in one-W=1-forward
+units, per context bucket, seeded by a probe the first time a batch size is seen, refined by every round). Each
+row's chosen arm has an acceptance estimate α (per position; the pool's statistics are shared across rows, so what
+request N learnt steers request N + 1, and a row's own rounds refine its estimate). Every row drafts
+min(K, its arm's L); K is chosen jointly for the batch to maximise Σ_rows E_r(K) / c_B(1 + K) with
+E(k) = 1 + α + … + α^k (the expected tokens of a chain whose positions each survive with α). As B grows the
+block's cost rises with W, and speculation backs off by itself; it returns when the batch shrinks.
+``length="fixed"``: every row drafts its arm's L.
+
+Not here yet (issue 32, later): neural arms (EAGLE, drafters) drafting batched, ``decode eval --batch`` and a
+batching server. Arms that own a model or a cache are refused with a clear error.
 """
 from __future__ import annotations
 
@@ -34,8 +43,11 @@ from transformers import DynamicCache
 from ..choose.arms.base import Arm
 from ..choose.policies.base import Policy
 from ..common.errors import UserError
+from ..core.cost import CostCurve
 from ..core.draft import RoundRecord
 from ..core.verify import Verifier
+
+LENGTHS = ("fixed", "cost")
 
 
 # --------------------------------------------------------------------------- the cache
@@ -158,6 +170,7 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     rounds: list[RoundRecord] = field(default_factory=list)
     stopped_by: str = "length"
+    acceptance: dict = field(default_factory=dict)  # arm -> [accepted positions, rejections] of this row
     joined: float = 0.0  # perf_counter() when it joined
     finished: float = 0.0
 
@@ -182,14 +195,59 @@ class BatchRound:
     verify_time: float
 
 
+class Acceptance:
+    """Per-position acceptance of each arm: shared counts over every row (Beta(1, 1) prior) and a row's own counts
+    on top, weighted as ``prior`` pseudo-observations of the shared mean."""
+
+    def __init__(self, prior: float = 4.0):
+        self.prior = prior
+        self.shared: dict[int, list[float]] = {}  # arm -> [accepted positions, rejections]
+
+    def observe(self, row: "Row", arm: int, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        hit, miss = accepted, int(accepted < drafted)
+        for counts in (self.shared.setdefault(arm, [0.0, 0.0]), row.acceptance.setdefault(arm, [0.0, 0.0])):
+            counts[0] += hit
+            counts[1] += miss
+
+    def alpha(self, row: "Row", arm: int) -> float:
+        s, f = self.shared.get(arm, (0.0, 0.0))
+        mean = (s + 1) / (s + f + 2)
+        rs, rf = row.acceptance.get(arm, (0.0, 0.0))
+        return (rs + self.prior * mean) / (rs + rf + self.prior)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """1 + α + … + α^k: a chain of k drafts whose positions each survive with probability α, plus the bonus."""
+    return float(sum(alpha ** i for i in range(k + 1)))
+
+
+def joint_length(alphas: list[float], caps: list[int], cost: Callable[[int], float]) -> int:
+    """The draft length K every row drafts (up to its cap) that maximises the batch's expected tokens per unit of
+    cost: argmax_K Σ_r E(α_r, min(K, cap_r)) / cost(1 + K); the shortest K among ties."""
+    best, best_value = 0, -1.0
+    for K in range(max(caps, default=0) + 1):
+        value = sum(expected_tokens(a, min(K, c)) for a, c in zip(alphas, caps)) / cost(1 + K)
+        if value > best_value * (1 + 1e-9):
+            best, best_value = K, value
+    return best
+
+
 class BatchEngine:
     """Continuous batching of speculative rounds over one target (module docstring).
 
     ``make_arms()`` builds one row's arm instances (every row gets its own: model-free arms keep per-sequence
-    state); ``make_policy(K)`` one row's policy over them."""
+    state); ``make_policy(K)`` one row's policy over them; ``length``: ``fixed`` or ``cost`` (joint K)."""
 
     def __init__(self, model, make_arms: Callable[[], list[Arm]], make_policy: Callable[[int], Policy],
-                 verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 64):
+                 verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 64,
+                 length: str = "fixed"):
+        if length not in LENGTHS:
+            raise UserError(f"length must be one of {', '.join(LENGTHS)}, got {length!r}")
+        self.length = length
+        self.curves: dict[int, CostCurve] = {}  # batch size -> c_B(W), block widths in W=1-forward units
+        self.acceptance = Acceptance()
         self.model = model
         self.compact_slack = compact_slack  # compact once the cache holds > 2 × the longest row + this many slots
         self.make_arms = make_arms
@@ -257,13 +315,15 @@ class BatchEngine:
         if not self.rows:
             return []
         t0 = time.perf_counter()
-        picks, drafts = [], []
-        for r in self.rows:
-            i = r.policy.select()
-            a = r.arms[i]
-            d = a.propose(r.ctx, max(0, min(a.L, r.remaining - 1)), None)
-            picks.append(i)
-            drafts.append(d)
+        picks = [r.policy.select() for r in self.rows]
+        caps = [max(0, min(r.arms[i].L, r.remaining - 1)) for r, i in zip(self.rows, picks)]
+        context = max(len(r.ctx) for r in self.rows)
+        if self.length == "cost" and max(caps) > 0:
+            curve = self._curve(len(self.rows), max(caps) + 1, context)
+            K = joint_length([self.acceptance.alpha(r, i) for r, i in zip(self.rows, picks)], caps,
+                             lambda n: curve.steps(n, context))
+            caps = [min(c, K) for c in caps]
+        drafts = [r.arms[i].propose(r.ctx, c, None) for r, i, c in zip(self.rows, picks, caps)]
         lens = [1 + len(d) for d in drafts]
         W = max(lens)
         B = len(self.rows)
@@ -285,6 +345,7 @@ class BatchEngine:
         if self.cache.hf is None:
             self.cache.hf = out.past_key_values
         self.forwards += 1
+        self.curves.setdefault(B, CostCurve()).observe(W, context, time.perf_counter() - t1)
         keep = torch.zeros(B, W, dtype=torch.bool)
         accepted = []
         for b, (r, d, i) in enumerate(zip(self.rows, drafts, picks)):
@@ -305,6 +366,7 @@ class BatchEngine:
                               accept_prob=outcome.accept_prob, max_len=r.arms[i].L)
             r.rounds.append(rec)
             r.policy.update(i, rec)
+            self.acceptance.observe(r, i, len(d), outcome.accepted)
             accepted.append(rec.accepted)
         self.cache.commit(keep)
         t2 = time.perf_counter()
@@ -318,6 +380,29 @@ class BatchEngine:
         if self.cache.rows and self.cache.slots > 2 * max(self.cache.lengths()) + self.compact_slack:
             self.cache.compact()  # padding and rejected drafts have piled up: attend over what is valid only
         return finished
+
+    def _curve(self, B: int, widest: int, context: int) -> CostCurve:
+        """c_B for this batch size, probed first when a width up to ``widest`` was never measured at this B: one
+        forward per width over dummy blocks (the rows' last tokens repeated), whose slots are then dropped."""
+        curve = self.curves.setdefault(B, CostCurve())
+        if set(range(1, widest + 1)) <= curve.sizes():
+            return curve  # every width measured at this B already: the rounds keep it current
+        last = torch.tensor([r.ctx[-1] for r in self.rows], dtype=torch.long)
+        for w in range(1, widest + 1):
+            block = torch.ones(B, w, dtype=torch.bool)
+            pos = torch.tensor([len(r.ctx) - 1 for r in self.rows])[:, None] + torch.arange(w)
+            mask = self.cache.attention(block, self.dtype, self.device)
+            t = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model(input_ids=last[:, None].expand(B, w).to(self.device), position_ids=pos.to(self.device),
+                                 attention_mask=mask, past_key_values=self.cache.hf if self.cache.hf is not None
+                                 else DynamicCache(), use_cache=True, logits_to_keep=1)
+                out.logits.float().sum().item()  # wait for the device
+            if self.cache.hf is None:
+                self.cache.hf = out.past_key_values
+            curve.observe(w, context, time.perf_counter() - t)
+            self.cache.commit(torch.zeros(B, w, dtype=torch.bool))  # the probe's slots are never visible again
+        return curve
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, max_batch: int | None = None) -> list[Row]:
         """Decode every prompt, at most ``max_batch`` rows at a time (None = all at once); a finished row's place
