@@ -6,6 +6,8 @@ interleaved (the order rotates per group, so machine noise hits every method ali
 * ``hf``: HF ``model.generate`` on the B prompts at once, left padding, greedy (the plain baseline at that B);
 * ``batch:none``: our batched rounds without speculation (one token per row per round);
 * ``batch:<arm>``: fixed speculation, every row plays that arm (``--fixed``, e.g. ``pld:L=3``);
+* ``batch:<arm>+schedule``: that arm with K from the batch size (``--schedule``, vLLM's per-batch-size table);
+* ``batch:<arm>+ema``: that arm with K from an EMA of accepted lengths over tiers (``--ema``, SGLang-style);
 * ``batch:<policy>``: every row's own policy over ``--pool`` (``none`` included: a row may stop speculating), each
   row drafting its arm's L;
 * ``batch:<policy>+cost``: the same, with the draft length chosen jointly for the batch from the learnt block cost
@@ -72,7 +74,9 @@ def main() -> int:
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--batch", default="1,2,4,8", help="comma-separated batch sizes")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--fixed", default="pld:L=3", help="';'-separated arms played by every row ('' = none)")
+    p.add_argument("--fixed", default="pld:L=4", help="';'-separated arms played by every row ('' = none)")
+    p.add_argument("--schedule", default="1-2=4,3-4=2,5-=1", help="B ranges → K for the +schedule baseline")
+    p.add_argument("--ema", default="1,2,4", help="K tiers of the +ema baseline")
     p.add_argument("--pool", default="none;pld:L=2;pld:L=4;suffix:L=3")
     p.add_argument("--policy", default="ucbspec", help="each row's policy over --pool ('' = none)")
     p.add_argument("--linear", default="stock", choices=("stock", "onednn"))
@@ -103,6 +107,8 @@ def main() -> int:
     methods = {"hf": None, "batch:none": (["none"], "fixed:arm=0")}
     for arm in filter(None, a.fixed.split(";")):
         methods[f"batch:{arm}"] = ([arm], "fixed:arm=0")
+        methods[f"batch:{arm}+schedule"] = ([arm], "fixed:arm=0", f"schedule:{a.schedule}")
+        methods[f"batch:{arm}+ema"] = ([arm], "fixed:arm=0", f"ema:{a.ema}")
     if a.policy:
         methods[f"batch:{a.policy}"] = (a.pool.split(";"), a.policy)
         methods[f"batch:{a.policy}+cost"] = (a.pool.split(";"), a.policy, "cost")

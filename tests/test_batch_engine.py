@@ -160,3 +160,22 @@ def test_cost_lengths_stay_lossless_and_learn_shared_acceptance(model, max_batch
     assert set(eng.acceptance.shared) - {0}  # drafting arms' acceptance pooled over the rows
     widths = {h.width for h in eng.history}
     assert len(widths) > 1  # K moved with what was learnt
+
+
+def test_schedules_people_use_as_baselines(model):
+    from decode.engine.batch import parse_schedule, scheduled_length
+
+    sched = parse_schedule("1-2=4,3-4=2,5-=0")
+    assert [scheduled_length(sched, B) for B in (1, 2, 3, 4, 5, 64)] == [4, 4, 2, 2, 0, 0]
+    for bad in ("schedule:1-2", "schedule:x=1", "ema:", "ema:a", "tree"):
+        with pytest.raises(UserError, match="length"):
+            _engine(model, length=bad)
+    eng = _engine(model, pool=["pld:L=4"], policy="fixed:arm=0", length="schedule:1-3=4,4-=1")
+    rows = eng.generate(PROMPTS, 16)
+    assert all(max(h.drafted) <= (4 if len(h.rows) <= 3 else 1) for h in eng.history)
+    assert any(max(h.drafted) > 1 for h in eng.history) and any(len(h.rows) >= 4 for h in eng.history)
+    eng2 = _engine(model, pool=["pld:L=4", "suffix:L=4"], policy="ucbspec", length="ema:1,2,4")
+    rows2 = eng2.generate(PROMPTS, 16)
+    assert eng2.ema_accepted is not None and all(max(h.drafted) <= 4 for h in eng2.history)
+    for p, r, r2 in zip(PROMPTS, rows, rows2):
+        assert r.tokens == r2.tokens == plain_greedy(model, p, 16)

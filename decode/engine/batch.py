@@ -26,7 +26,11 @@ request N learnt steers request N + 1, and a row's own rounds refine its estimat
 min(K, its arm's L); K is chosen jointly for the batch to maximise Σ_rows E_r(K) / c_B(1 + K) with
 E(k) = 1 + α + … + α^k (the expected tokens of a chain whose positions each survive with α). As B grows the
 block's cost rises with W, and speculation backs off by itself; it returns when the batch shrinks.
-``length="fixed"``: every row drafts its arm's L.
+``length="fixed"``: every row drafts its arm's L. The schedules production engines use, as baselines:
+``length="schedule:1-2=4,3-4=2,5-=0"`` (vLLM's ``num_speculative_tokens_per_batch_size``, TensorRT-LLM's
+``draft_len_schedule``: K from the batch size alone) and ``length="ema:1,2,4"`` (SGLang's ``--speculative-adaptive``
+in spirit: an exponential moving average of the accepted draft length per row-round picks among prebuilt tiers
+of K — the smallest tier above the average, so the draft reaches one token past what is usually accepted).
 
 Not here yet (issue 32, later): neural arms (EAGLE, drafters) drafting batched, ``decode eval --batch`` and a
 batching server. Arms that own a model or a cache are refused with a clear error.
@@ -47,7 +51,29 @@ from ..core.cost import CostCurve
 from ..core.draft import RoundRecord
 from ..core.verify import Verifier
 
-LENGTHS = ("fixed", "cost")
+LENGTHS = ("fixed", "cost", "schedule:<B range>=<K>,...", "ema:<tier>,...")
+
+
+def parse_schedule(spec: str) -> list[tuple[int, int | None, int]]:
+    """``"1-2=4,3-4=2,5-=0"`` → [(1, 2, 4), (3, 4, 2), (5, None, 0)]: batch sizes lo..hi (hi None = and above)
+    draft K."""
+    out = []
+    for part in spec.split(","):
+        try:
+            sizes, k = part.split("=")
+            lo, _, hi = sizes.partition("-")
+            out.append((int(lo), (int(hi) if hi else None) if "-" in sizes else int(lo), int(k)))
+        except ValueError:
+            raise UserError(f"length=schedule:{spec}: each entry is <lo>-<hi>=<K> or <lo>-=<K> (e.g. 1-2=4,3-=0), "
+                            f"got {part!r}") from None
+    return out
+
+
+def scheduled_length(schedule: list[tuple[int, int | None, int]], B: int) -> int:
+    for lo, hi, k in schedule:
+        if lo <= B and (hi is None or B <= hi):
+            return k
+    return 0
 
 
 # --------------------------------------------------------------------------- the cache
@@ -243,9 +269,17 @@ class BatchEngine:
     def __init__(self, model, make_arms: Callable[[], list[Arm]], make_policy: Callable[[int], Policy],
                  verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 64,
                  length: str = "fixed"):
-        if length not in LENGTHS:
+        kind, _, arg = length.partition(":")
+        if kind not in ("fixed", "cost", "schedule", "ema") or (kind in ("schedule", "ema")) != bool(arg):
             raise UserError(f"length must be one of {', '.join(LENGTHS)}, got {length!r}")
-        self.length = length
+        self.length = kind
+        self.schedule = parse_schedule(arg) if kind == "schedule" else None
+        if kind == "ema":
+            try:
+                self.tiers = sorted({int(t) for t in arg.split(",")})
+            except ValueError:
+                raise UserError(f"length=ema:{arg}: tiers are draft lengths, e.g. ema:1,2,4") from None
+        self.ema_accepted: float | None = None  # accepted drafts per row-round, smoothed (length=ema)
         self.curves: dict[int, CostCurve] = {}  # batch size -> c_B(W), block widths in W=1-forward units
         self.acceptance = Acceptance()
         self.model = model
@@ -323,6 +357,12 @@ class BatchEngine:
             K = joint_length([self.acceptance.alpha(r, i) for r, i in zip(self.rows, picks)], caps,
                              lambda n: curve.steps(n, context))
             caps = [min(c, K) for c in caps]
+        elif self.length == "schedule":
+            caps = [min(c, scheduled_length(self.schedule, len(self.rows))) for c in caps]
+        elif self.length == "ema":
+            ema = self.ema_accepted
+            K = self.tiers[-1] if ema is None else next((t for t in self.tiers if t > ema), self.tiers[-1])
+            caps = [min(c, K) for c in caps]
         drafts = [r.arms[i].propose(r.ctx, c, None) for r, i, c in zip(self.rows, picks, caps)]
         lens = [1 + len(d) for d in drafts]
         W = max(lens)
@@ -367,6 +407,9 @@ class BatchEngine:
             r.rounds.append(rec)
             r.policy.update(i, rec)
             self.acceptance.observe(r, i, len(d), outcome.accepted)
+            if len(d):
+                a_ = float(rec.accepted)
+                self.ema_accepted = a_ if self.ema_accepted is None else 0.9 * self.ema_accepted + 0.1 * a_
             accepted.append(rec.accepted)
         self.cache.commit(keep)
         t2 = time.perf_counter()
