@@ -50,6 +50,7 @@ from ..common.errors import UserError
 from ..core.cost import CostCurve
 from ..core.draft import RoundRecord
 from ..core.verify import Verifier
+from .loop import TokenBudget
 
 LENGTHS = ("fixed", "cost", "schedule:<B range>=<K>,...", "ema:<tier>,...")
 
@@ -184,7 +185,7 @@ def _batch_cache(cache: DynamicCache, rows: int) -> DynamicCache:
 # --------------------------------------------------------------------------- rows and the engine
 
 @dataclass
-class Row:
+class Row(TokenBudget):
     """One sequence in the batch."""
 
     rid: int
@@ -199,14 +200,6 @@ class Row:
     acceptance: dict = field(default_factory=dict)  # arm -> [accepted positions, rejections] of this row
     joined: float = 0.0  # perf_counter() when it joined
     finished: float = 0.0
-
-    @property
-    def remaining(self) -> int:
-        return self.max_new_tokens - len(self.tokens)
-
-    @property
-    def done(self) -> bool:
-        return self.stopped_by == "eos" or self.remaining <= 0
 
 
 @dataclass

@@ -34,8 +34,25 @@ from ..core.tree import depths
 from ..core.verify import Verifier
 
 
+class TokenBudget:
+    """What a sequence in flight knows of its end: ``max_new_tokens``, ``tokens`` generated, ``stopped_by``
+    (one definition for the serial engine's query and the batched engine's row)."""
+
+    max_new_tokens: int
+    tokens: list[int]
+    stopped_by: str
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.stopped_by == "eos" or self.remaining <= 0
+
+
 @dataclass
-class DecodeState:
+class DecodeState(TokenBudget):
     """One query in flight (made by :meth:`SpecEngine.begin`, advanced by :meth:`SpecEngine.step`)."""
 
     prompt_ids: list[int]
@@ -52,14 +69,6 @@ class DecodeState:
     # full-information feedback (decode/choose/feedback.py): rounds whose counterfactuals are not resolved yet;
     # None when the policy learns from the played arm only (nothing is scored)
     pending: list[PendingRound] | None = None
-
-    @property
-    def remaining(self) -> int:
-        return self.max_new_tokens - len(self.tokens)
-
-    @property
-    def done(self) -> bool:
-        return self.stopped_by == "eos" or self.remaining <= 0
 
 
 @dataclass
