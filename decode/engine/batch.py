@@ -20,7 +20,8 @@ the float rounding of another batch shape (tests/test_batch_engine.py checks it 
 
 Lengths (``length="cost"``, issue 32 §2): the round's cost is its block's, B rows × W positions, learnt online per
 batch size (one :class:`~decode.core.cost.CostCurve` per B: c_B(W) = a W-wide forward over B rows in one-W=1-forward
-units, per context bucket, seeded by a probe the first time a batch size is seen, refined by every round). Each
+units, per context bucket, refined by every round; seeded by one probe when no batch size has been measured yet,
+and a batch size not measured yet borrows the nearest measured one's curve). Each
 row's chosen arm has an acceptance estimate α (per position; the pool's statistics are shared across rows, so what
 request N learnt steers request N + 1, and a row's own rounds refine its estimate). Every row drafts
 min(K, its arm's L); K is chosen jointly for the batch to maximise Σ_rows E_r(K) / c_B(1 + K) with
@@ -418,11 +419,17 @@ class BatchEngine:
         return finished
 
     def _curve(self, B: int, widest: int, context: int) -> CostCurve:
-        """c_B for this batch size, probed first when a width up to ``widest`` was never measured at this B: one
-        forward per width over dummy blocks (the rows' last tokens repeated), whose slots are then dropped."""
+        """c_B for this batch size. Measured at this B for every width up to ``widest``: its own curve. Else the
+        curve of the nearest batch size measured that far (rows finish one by one, so B changes every few rounds:
+        a probe per B costs more than it saves), and only when no batch size is: a probe at this B, one forward
+        per width over dummy blocks (the rows' last tokens repeated) whose slots are then dropped."""
         curve = self.curves.setdefault(B, CostCurve())
-        if set(range(1, widest + 1)) <= curve.sizes():
-            return curve  # every width measured at this B already: the rounds keep it current
+        widths = set(range(1, widest + 1))
+        if widths <= curve.sizes():
+            return curve  # the rounds keep it current
+        known = [b for b, c in self.curves.items() if widths <= c.sizes()]
+        if known:
+            return self.curves[min(known, key=lambda b: (abs(b - B), -b))]
         last = torch.tensor([r.ctx[-1] for r in self.rows], dtype=torch.long)
         for w in range(1, widest + 1):
             block = torch.ones(B, w, dtype=torch.bool)
