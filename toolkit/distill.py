@@ -47,7 +47,7 @@ import torch
 
 from decode.common.device import dtype_name, resolve_dtype
 from decode.common.errors import UserError
-from decode.common.io import atomic_path, atomic_write_json
+from decode.common.io import REPO_ROOT, atomic_path, atomic_write_json, resolve_repo_path
 from decode.core.models import DEFAULT_TARGET, eos_token_ids
 from decode.core.sampling import SamplingConfig, choose_token
 
@@ -59,7 +59,6 @@ from .data.prompts import select_prompts
 from .data.sources import GSM8KSource, Source
 from .data.templates import Template
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ("id", "task", "source", "prompt", "prompt_text", "prompt_ids", "response", "response_ids",
            "temperature", "finish_reason", "prompt_tokens", "response_tokens", "filtered")
 FORMAT_VERSION = 2  # bump when the plan (row order, batching, seeding) changes: old runs cannot be resumed
@@ -374,9 +373,7 @@ def _reuse_source(recipe: DistillRecipe, dtype: torch.dtype) -> ReuseSource:
         return ReuseSource(skipped="reuse=null")
     explicit = recipe.reuse != "auto"
     if explicit:
-        folder = Path(recipe.reuse).expanduser()
-        if not folder.is_absolute() and not folder.exists() and (REPO_ROOT / folder).exists():
-            folder = REPO_ROOT / folder  # like the sources' paths: the repository root, then the working directory
+        folder = resolve_repo_path(recipe.reuse) or Path(recipe.reuse).expanduser()
     else:
         folder = auto_answers_folder(recipe.target)
         if folder is None or not (folder / shipped_answers.RECORD).is_file():

@@ -8,6 +8,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -232,3 +234,15 @@ def read_jsonl_log(path: str | os.PathLike, where: str) -> tuple[list, int, str 
             rows.append(row)
         pos = len(data) if end < 0 else end + 1
     return rows, pos, note
+
+
+def resolve_repo_path(path: str | os.PathLike) -> Path | None:
+    """A path as recipes and pool files name them: an absolute one as given, a relative one under the repository
+    root, then under the working directory; None when it exists in neither."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p if p.exists() else None
+    for base in (REPO_ROOT, Path.cwd()):
+        if (base / p).exists():
+            return (base / p).resolve()
+    return None

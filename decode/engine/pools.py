@@ -19,21 +19,11 @@ import json
 from pathlib import Path
 
 from ..common.errors import UserError
+from ..common.io import REPO_ROOT, resolve_repo_path
 from ..common.specs import parse_spec
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 _KEYS = {"target", "L", "drafters", "arms", "description"}
 _DRAFTER_KEYS = {"name", "path", "L"}
-
-
-def _resolve(path: str) -> Path | None:
-    p = Path(path).expanduser()
-    if p.is_absolute():
-        return p if p.exists() else None
-    for base in (REPO_ROOT, Path.cwd()):
-        if (base / p).exists():
-            return (base / p).resolve()
-    return None
 
 
 def _int_L(value, where: str) -> int:
@@ -92,7 +82,7 @@ def load_pool(path: str | Path) -> list[str]:
         if bad:
             raise UserError(f"{where}: unknown field(s) {sorted(bad)}; valid: {sorted(_DRAFTER_KEYS)}")
         name = str(d.get("name") or Path(str(d["path"])).parent.name)
-        folder = _resolve(str(d["path"]))
+        folder = resolve_repo_path(str(d["path"]))
         if folder is None or not (folder / "config.json").is_file():
             untrained.append(f"drafters[{i}] '{name}' (no exported model at {d['path']}): {_train_command(str(d['path']))}")
             continue
@@ -119,7 +109,7 @@ def load_pool(path: str | Path) -> list[str]:
         if name not in known:
             raise UserError(f"pool {p}: arms[{i}] '{spec}': unknown arm '{name}'; known arms: {', '.join(sorted(known))}")
         if "path" in params:
-            folder = _resolve(params["path"])
+            folder = resolve_repo_path(params["path"])
             if folder is None:
                 raise UserError(f"pool {p}: arms[{i}] '{spec}': path {params['path']} does not exist (relative "
                                 f"paths are looked up under {REPO_ROOT} and the working directory)")

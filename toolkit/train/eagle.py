@@ -31,7 +31,6 @@ Deviations from EAGLE-3's reference training (SafeAILab/EAGLE ``traineagle3``), 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
@@ -322,11 +321,9 @@ def warm_start_head(section: EagleSection, folder: str, target, n_layers: int) -
     """``head.init_from``: the trained head in ``folder`` on ``target``, to train further. Its layout must be the
     one ``section`` asks for (a different one would silently train another architecture than the recipe says)."""
     from decode.choose.heads import load_head
-    path = Path(folder).expanduser()
-    repo_root = Path(__file__).resolve().parents[2]
-    if not path.is_absolute() and not path.exists() and (repo_root / path).exists():
-        path = repo_root / path  # like the pool files' paths: the working directory, then the repository root
-    head = load_head(path, target, expect="eagle")
+    from decode.common.io import resolve_repo_path
+
+    head = load_head(resolve_repo_path(folder) or folder, target, expect="eagle")
     layers = section.layers(n_layers)
     wanted = {"features": section.features, "feature_layers": None if layers is None else tuple(layers),
               "layer": section.layer, "input_norm": section.input_norm,

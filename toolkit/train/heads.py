@@ -17,14 +17,12 @@ from typing import Literal
 import torch
 
 from decode.common.errors import UserError
-from decode.common.io import atomic_write_json
+from decode.common.io import atomic_write_json, resolve_repo_path
 from decode.core.models import DEFAULT_TARGET
 from toolkit.data.leakage import DEFAULT_EVAL_FILES
 
 from .data import DataSection, load_examples, split_heldout, tokenize_sft
 from .runtime import Placement, TrainRun, TrainSection, deepspeed_config, placement, run_training, train_fingerprint
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -134,9 +132,9 @@ def build_draft_vocab(section, examples, tokenizer, target):
 
 
 def _resolve(path: str) -> Path:
-    for p in (REPO_ROOT / path, Path(path)):
-        if p.is_file():
-            return p
+    p = resolve_repo_path(path)
+    if p is not None and p.is_file():
+        return p
     raise UserError(f"open_text.path={path} not found (relative paths: repo root, then the working directory); "
                     f"point it at a JSONL file or set open_text.path=null")
 
