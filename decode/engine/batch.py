@@ -47,12 +47,14 @@ from transformers import DynamicCache
 
 from ..choose.arms.base import Arm
 from ..choose.policies.base import Policy
+from ..common.device import synchronize
 from ..common.errors import UserError
 from ..core.cost import CostCurve
 from ..core.draft import RoundRecord
 from ..core.verify import Verifier
 from .loop import TokenBudget
 
+MODEL_FREE = {"pld", "suffix", "none"}  # arms that draft from the row's own tokens (no model, no cache of their own)
 LENGTHS = ("fixed", "cost", "schedule:<B range>=<K>,...", "ema:<tier>,...")
 
 
@@ -98,9 +100,6 @@ class RowCache:
     def lengths(self) -> list[int]:
         return self.valid.sum(1).tolist()
 
-    def _layers(self, cache: DynamicCache):
-        return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
-
     def add(self, cache: DynamicCache | None, n: int) -> None:
         """Append one row whose cache holds ``n`` slots (all valid); ``cache`` None for ``n == 0``."""
         valid = torch.ones(1, n, dtype=torch.bool)
@@ -112,8 +111,8 @@ class RowCache:
             return
         T = max(self.slots, n)
         self.valid = torch.cat([_pad(self.valid, T), _pad(valid, T)])
-        new_layers = self._layers(cache) if cache is not None else None
-        for k, mine in enumerate(self._layers(self.hf)):
+        new_layers = _layers(cache) if cache is not None else None
+        for k, mine in enumerate(_layers(self.hf)):
             if new_layers is None:  # an empty row: zero slots of its own, all padding
                 nk = mine.keys.new_zeros(1, mine.keys.shape[1], T, mine.keys.shape[3])
                 nv = mine.values.new_zeros(1, mine.values.shape[1], T, mine.values.shape[3])
@@ -127,7 +126,7 @@ class RowCache:
         idx = torch.tensor(keep, dtype=torch.long)
         self.valid = self.valid[idx]
         if self.hf is not None:
-            self.hf.batch_select_indices(idx.to(self._layers(self.hf)[0].keys.device))
+            self.hf.batch_select_indices(idx.to(_layers(self.hf)[0].keys.device))
         if not keep:
             self.hf, self.valid = None, torch.zeros(0, 0, dtype=torch.bool)
 
@@ -155,12 +154,17 @@ class RowCache:
         width = int(n.max())
         order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]  # valid slots first
         new_valid = torch.arange(width)[None, :] < n[:, None]
-        for layer in self._layers(self.hf):
+        for layer in _layers(self.hf):
             idx = order.to(layer.keys.device)[:, None, :, None]
             layer.keys = torch.gather(layer.keys, 2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
             layer.values = torch.gather(layer.values, 2,
                                         idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
         self.valid = new_valid
+
+
+def _layers(cache: DynamicCache) -> list:
+    """The cache's initialised layers (their ``keys``/``values`` are ``[B, heads, T, dim]``)."""
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
 
 
 def _pad(valid: torch.Tensor, T: int) -> torch.Tensor:
@@ -292,7 +296,7 @@ class BatchEngine:
         self.device, self.dtype = p.device, p.dtype
         probe_arms = make_arms()
         for a in probe_arms:
-            if getattr(a, "uses_target_hidden", False) or getattr(a, "owns_model", False) or a.name not in MODEL_FREE:
+            if a.name not in MODEL_FREE:
                 raise UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) for now; "
                                 f"{a.label} drafts with a model of its own (issue 32: neural arms drafting batched "
                                 f"per arm are not built yet)")
@@ -370,20 +374,14 @@ class BatchEngine:
                 ids[b, 1:lens[b]] = d.tokens.to(torch.long).cpu()
             pos[b] = len(r.ctx) - 1 + torch.arange(W)
             block_valid[b, :lens[b]] = True
-        mask = self.cache.attention(block_valid, self.dtype, self.device)
         t1 = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
-                             past_key_values=self.cache.hf if self.cache.hf is not None else DynamicCache(),
-                             use_cache=True)
-        if self.cache.hf is None:
-            self.cache.hf = out.past_key_values
+        logits, seconds = self._forward(ids, pos, block_valid)
         self.forwards += 1
-        self.curves.setdefault(B, CostCurve()).observe(W, context, time.perf_counter() - t1)
+        self.curves.setdefault(B, CostCurve()).observe(W, context, seconds)
         keep = torch.zeros(B, W, dtype=torch.bool)
         accepted = []
         for b, (r, d, i) in enumerate(zip(self.rows, drafts, picks)):
-            outcome = self.verifier.verify(out.logits[b, :lens[b]].float(), d)
+            outcome = self.verifier.verify(logits[b, :lens[b]].float(), d)
             keep[b, :outcome.accepted + 1] = True
             new = outcome.tokens[:r.remaining]
             for j, tok in enumerate(new):
@@ -434,18 +432,25 @@ class BatchEngine:
         for w in range(1, widest + 1):
             block = torch.ones(B, w, dtype=torch.bool)
             pos = torch.tensor([len(r.ctx) - 1 for r in self.rows])[:, None] + torch.arange(w)
-            mask = self.cache.attention(block, self.dtype, self.device)
-            t = time.perf_counter()
-            with torch.inference_mode():
-                out = self.model(input_ids=last[:, None].expand(B, w).to(self.device), position_ids=pos.to(self.device),
-                                 attention_mask=mask, past_key_values=self.cache.hf if self.cache.hf is not None
-                                 else DynamicCache(), use_cache=True, logits_to_keep=1)
-                out.logits.float().sum().item()  # wait for the device
-            if self.cache.hf is None:
-                self.cache.hf = out.past_key_values
-            curve.observe(w, context, time.perf_counter() - t)
+            _, seconds = self._forward(last[:, None].expand(B, w), pos, block)
+            curve.observe(w, context, seconds)
             self.cache.commit(torch.zeros(B, w, dtype=torch.bool))  # the probe's slots are never visible again
         return curve
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, block_valid: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """One target forward of a ``[B, W]`` block over the batch cache (created by the first one): its logits and
+        its seconds, the device synchronised. The caller commits the block's slots it keeps."""
+        mask = self.cache.attention(block_valid, self.dtype, self.device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
+                             past_key_values=self.cache.hf if self.cache.hf is not None else DynamicCache(),
+                             use_cache=True)
+        synchronize(self.device)
+        seconds = time.perf_counter() - t
+        if self.cache.hf is None:
+            self.cache.hf = out.past_key_values
+        return out.logits, seconds
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, max_batch: int | None = None) -> list[Row]:
         """Decode every prompt, at most ``max_batch`` rows at a time (None = all at once); a finished row's place
@@ -464,5 +469,3 @@ class BatchEngine:
                 out[by_rid[r.rid]] = r
         return [out[k] for k in range(len(prompts))]
 
-
-MODEL_FREE = {"pld", "suffix", "none"}
