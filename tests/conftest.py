@@ -43,3 +43,16 @@ def tiny_target_dir(tmp_path_factory, smol_path):
     """A tiny random Llama with the default target's tokenizer: fast CLI runs with real text I/O."""
     from helpers import save_tiny_target
     return save_tiny_target(tmp_path_factory.mktemp("tiny_target"), smol_path)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_target_dir, tmp_path_factory):
+    """`decode serve` on the tiny target with the model-free arms (helpers.SERVE_ARMS), a state file of its own, one
+    thread: one per test module that serves."""
+    from decode.commands.serve.command import RunningServer
+    from helpers import SERVE_ARMS
+
+    state = tmp_path_factory.mktemp("serve") / "state.json"
+    with RunningServer(["--target", tiny_target_dir, "--arms", SERVE_ARMS, "--state-file", str(state),
+                        "--threads", "1"]) as s:
+        yield s

@@ -5,6 +5,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 
+SERVE_ARMS = "pld:L=4;suffix:L=6"  # the model-free pool the server tests serve
+
+
 class TinyTokenizer:
     """Just enough of a tokenizer for vocab checks: an id map over ``vocab`` symbols."""
 

@@ -26,7 +26,6 @@ from decode.evaluation.suites import encode_messages
 
 openai = pytest.importorskip("openai")
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = "pld:L=4;suffix:L=6"
 PROMPTS = ["Say hi", "Write a poem about the sea", "def add(a, b):", "List three colours.", "What is 2 + 2?",
            "Translate 'cat' to French.", "Summarise: the cat sat on the mat.", "Name a planet."]
 
@@ -38,11 +37,8 @@ def target(tiny_target_dir):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_target_dir, tmp_path_factory):
-    state = tmp_path_factory.mktemp("serve") / "state.json"
-    with RunningServer(["--target", tiny_target_dir, "--arms", ARMS, "--state-file", str(state),
-                        "--threads", "1"]) as s:
-        yield s
+def server(tiny_server):
+    return tiny_server
 
 
 def client(server, **kw):

@@ -19,16 +19,13 @@ import pytest
 from decode.commands.serve import app as app_module
 from decode.commands.serve.command import RunningServer
 
-ARMS = "pld:L=4;suffix:L=6"
+from helpers import SERVE_ARMS as ARMS  # noqa: E402
 CONTEXT = 512  # the tiny target's max_position_embeddings (tests/helpers.py)
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_target_dir, tmp_path_factory):
-    state = tmp_path_factory.mktemp("serve_limits") / "state.json"
-    with RunningServer(["--target", tiny_target_dir, "--arms", ARMS, "--state-file", str(state),
-                        "--threads", "1"]) as s:
-        yield s
+def srv(tiny_server):
+    return tiny_server
 
 
 def _error(resp) -> dict:
