@@ -103,12 +103,16 @@ def read_record(folder: Path) -> dict:
     return record
 
 
-def _write_rows(path: Path, rows: list[dict]) -> int:
+def _gzip_rows(rows: list[dict]) -> bytes:
+    """One task file's bytes: JSON lines, gzip without a timestamp (the same rows give the same bytes)."""
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0, compresslevel=9) as gz:
         for r in rows:
             gz.write((json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8"))
-    data = buf.getvalue()
+    return buf.getvalue()
+
+
+def _write_bytes(path: Path, data: bytes) -> int:
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as fh:
             fh.write(data)
@@ -165,17 +169,16 @@ def export_answers(dirs: list[str | os.PathLike], out: str | os.PathLike, *,
         s = summary.setdefault(task, {"added": 0, "leaked": 0})
         s["added"] += added
         s["leaked"] += leaked
-    total = 0
     files = {}
     for task, rows in by_task.items():
         ordered = [rows[k] for k in sorted(rows)]
-        files[task] = ordered
-        total += len(gzip.compress("".join(json.dumps(r) + "\n" for r in ordered).encode(), 9, mtime=0))
+        files[task] = (ordered, _gzip_rows(ordered))  # compressed once: the size checked is the size written
+    total = sum(len(data) for _, data in files.values())
     if total > max_mb * 2 ** 20:
         raise UserError(f"the answers would take {total / 2 ** 20:.1f} MiB, over --max-mb {max_mb:g}; ship a subset "
                         f"(fewer folders) or raise the limit knowingly")
-    for task, ordered in files.items():
-        nbytes = _write_rows(_task_file(out, task), ordered)
+    for task, (ordered, data) in files.items():
+        nbytes = _write_bytes(_task_file(out, task), data)
         entry = record["tasks"][task]
         entry.update(rows=len(ordered), answer_tokens=sum(len(r["response_ids"]) for r in ordered),
                      temperatures=sorted({r["temperature"] for r in ordered}), bytes=nbytes)
