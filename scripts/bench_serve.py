@@ -1,18 +1,27 @@
-"""What serving over HTTP costs, and how the server holds up under concurrent clients.
+"""What serving over HTTP costs, and how the server holds up under concurrent clients, batched or not.
 
-One server runs in this process (``decode.commands.serve.command.RunningServer``, the same code ``python -m decode
-serve`` runs). Phase 1, per prompt and interleaved (rotated order): the engine decoding directly (what
-``decode generate`` measures: prefill + rounds), the same prompt through ``/v1/chat/completions``, and the
-same prompt streamed; tokens/s of each and their ratio, greedy outputs checked identical. Phase 2: a bounded
-load (``--requests`` requests from ``--clients`` concurrent openai clients) with p50/p95 latency, aggregate
-tokens/s and errors. Run it alone on the machine (no training, no tests): it measures time.
+Servers run in this process (``decode.commands.serve.command.RunningServer``, the same code ``python -m decode
+serve`` runs), one per ``--max-batch`` value, all loaded before anything is timed.
 
-    .venv/bin/python scripts/bench_serve.py [--max-tokens 64] [--requests 50 --clients 8] [--out runs/bench_serve.json]
+* Load (always): for each client count in ``--clients``, ``--requests`` greedy chat requests from that many
+  concurrent openai clients, sent to each server in turn (the order rotates per client count, so machine noise
+  hits every server alike): aggregate tokens/s (completion tokens of all requests ÷ wall time), per-request
+  latency p50/p95, the mean batch size the server ran (its /metrics), errors, and whether every request's
+  tokens equal the first server's for the same prompt (greedy is lossless, whatever the batch).
+* Overhead (``--overhead``): on the first server, per prompt and interleaved, the engine decoding directly (what
+  ``decode generate`` measures) and the same prompt through ``/v1/chat/completions``.
+
+Run it alone on the machine (no training, no tests): it measures time.
+
+    .venv/bin/python scripts/bench_serve.py --max-batch 1,8 --clients 1,2,4,8,16 --requests 48 --max-tokens 64 \\
+        -- --arms 'pld:L=4;suffix:L=6' --policy ucbspec:carry=true
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import statistics
 import sys
 import time
@@ -21,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import httpx  # noqa: E402
 import openai  # noqa: E402
 import torch  # noqa: E402
 
@@ -30,13 +40,75 @@ from decode.evaluation.suites import encode_prompt, load_jsonl_suite  # noqa: E4
 DEV = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / "question_dev.jsonl"
 
 
+def metric(url: str, name: str) -> float:
+    m = re.search(r"^%s ([0-9.e+-]+)$" % re.escape(name), httpx.get(url + "/metrics", timeout=10).text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def load(s, prompts, requests: int, clients: int, max_tokens: int) -> dict:
+    """``requests`` greedy chat requests (prompts in turn) from ``clients`` concurrent clients."""
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=1200)
+    rounds0, rows0 = metric(s.url, "adaspec_batch_rounds_total"), metric(s.url, "adaspec_batch_rows_total")
+
+    def one(i):
+        q = prompts[i % len(prompts)]
+        t0 = time.perf_counter()
+        try:
+            r = c.chat.completions.create(model=s.model, messages=[{"role": "user", "content": q.text}],
+                                          max_tokens=max_tokens, temperature=0,
+                                          extra_body={"adaspec": {"return_token_ids": True}})
+            return time.perf_counter() - t0, r.model_extra["adaspec"]["token_ids"], None
+        except Exception as exc:  # counted, reported
+            return time.perf_counter() - t0, [], exc
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        out = list(pool.map(one, range(requests)))
+    wall = time.perf_counter() - t0
+    lat = sorted(o[0] for o in out)
+    rounds = metric(s.url, "adaspec_batch_rounds_total") - rounds0
+    return {"tokens_per_s": sum(len(o[1]) for o in out) / wall, "p50": statistics.median(lat),
+            "p95": lat[min(len(lat) - 1, int(0.95 * len(lat)))], "wall": wall,
+            "batch_mean": (metric(s.url, "adaspec_batch_rows_total") - rows0) / rounds if rounds else 0.0,
+            "errors": sum(o[2] is not None for o in out), "tokens": {i: o[1] for i, o in enumerate(out)}}
+
+
+def overhead(s, prompts, max_tokens: int) -> dict:
+    """tokens/s of the engine decoding directly and through HTTP, per prompt and interleaved."""
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    engine, policy, tok = s.worker.engine, s.worker.policy, s.worker.tok
+
+    def direct(text):
+        t0 = time.perf_counter()
+        g = engine.generate(encode_prompt(tok, text), policy, max_tokens)
+        return len(g.tokens), time.perf_counter() - t0
+
+    def http(text):
+        t0 = time.perf_counter()
+        r = c.chat.completions.create(model=s.model, messages=[{"role": "user", "content": text}],
+                                      max_tokens=max_tokens, temperature=0)
+        return r.usage.completion_tokens, time.perf_counter() - t0
+
+    methods = {"engine (decode generate)": direct, "HTTP": http}
+    tokens, seconds = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0.0)
+    names = list(methods)
+    for i, q in enumerate(prompts):
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            n, secs = methods[k](q.text)
+            tokens[k] += n
+            seconds[k] += secs
+    return {k: tokens[k] / seconds[k] for k in methods}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", default=str(DEV), help="Spec-Bench style JSONL (default: Spec-Bench dev)")
-    p.add_argument("--per-category", type=int, default=1, help="prompts per category (default: %(default)s)")
+    p.add_argument("--per-category", type=int, default=2, help="prompts per category (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--requests", type=int, default=50)
-    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--requests", type=int, default=48, help="requests per client count and server")
+    p.add_argument("--clients", default="1,2,4,8,16", help="concurrent client counts")
+    p.add_argument("--max-batch", default="1,8", help="one server per value (its --max-batch)")
+    p.add_argument("--overhead", action="store_true", help="also measure HTTP against the engine directly")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="runs/bench_serve.json")
     p.add_argument("server_args", nargs="*", help="after --: more `decode serve` flags (e.g. -- --arms 'pld:L=4')")
@@ -47,85 +119,52 @@ def main() -> int:
         if seen.get(q.category, 0) < a.per_category:
             seen[q.category] = seen.get(q.category, 0) + 1
             prompts.append(q)
-    with RunningServer(["--state-file", "none", "--threads", str(a.threads), *a.server_args]) as s:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=600)
-        engine, policy, tok = s.worker.engine, s.worker.policy, s.worker.tok
+    batches = [b.strip() for b in a.max_batch.split(",")]
+    counts = [int(c) for c in a.clients.split(",")]
+    results: dict = {}
+    with contextlib.ExitStack() as stack:
+        servers = {b: stack.enter_context(RunningServer(["--state-file", "none", "--threads", str(a.threads),
+                                                         "--max-batch", b, *a.server_args])) for b in batches}
+        s0 = servers[batches[0]]
+        for s in servers.values():  # warm each HTTP path once
+            load(s, prompts, 2, 2, 8)
+        if a.overhead:
+            results["overhead"] = overhead(s0, prompts, a.max_tokens)
+        for n, clients in enumerate(counts):
+            order = batches[n % len(batches):] + batches[:n % len(batches)]
+            got = {b: load(servers[b], prompts, a.requests, clients, a.max_tokens) for b in order}
+            ref = got[batches[0]]["tokens"]
+            for b in batches:
+                r = got[b]
+                r["identical"] = all(r["tokens"][i] == ref[i] for i in ref if ref[i] and r["tokens"][i])
+                del r["tokens"]
+                print(f"{clients} clients, --max-batch {b}: {r['tokens_per_s']:.1f} tok/s, p50 {r['p50']:.2f} s, "
+                      f"p95 {r['p95']:.2f} s, mean batch {r['batch_mean']:.2f}, errors {r['errors']}", file=sys.stderr)
+            results[clients] = {b: got[b] for b in batches}
+        labels, policy = s0.worker.labels, s0.worker.policy_spec
+        chosen = {b: getattr(s.worker, "max_batch", 1) for b, s in servers.items()}
 
-        def direct(text):
-            ids = encode_prompt(tok, text)
-            t0 = time.perf_counter()
-            g = engine.generate(ids, policy, a.max_tokens)
-            return list(g.tokens), time.perf_counter() - t0
-
-        def http(text, stream=False):
-            msgs = [{"role": "user", "content": text}]
-            ex = {"adaspec": {"return_token_ids": True}}
-            t0 = time.perf_counter()
-            if stream:
-                chunks = list(client.chat.completions.create(model=s.model, messages=msgs, max_tokens=a.max_tokens,
-                                                             temperature=0, stream=True, extra_body=ex))
-                final = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
-                return final.model_extra["adaspec"]["token_ids"], time.perf_counter() - t0
-            r = client.chat.completions.create(model=s.model, messages=msgs, max_tokens=a.max_tokens, temperature=0,
-                                               extra_body=ex)
-            return r.model_extra["adaspec"]["token_ids"], time.perf_counter() - t0
-
-        methods = {"engine (decode generate)": direct, "HTTP": http, "HTTP stream": lambda t: http(t, True)}
-        http(prompts[0].text)  # warm the HTTP path once
-        tokens = {k: 0 for k in methods}
-        seconds = {k: 0.0 for k in methods}
-        identical = True
-        names = list(methods)
-        for i, q in enumerate(prompts):
-            outs = {}
-            for k in names[i % len(names):] + names[:i % len(names)]:  # rotate: noise hits all alike
-                toks, secs = methods[k](q.text)
-                outs[k] = toks
-                tokens[k] += len(toks)
-                seconds[k] += secs
-            identical &= len({tuple(v) for v in outs.values()}) == 1
-            print(f"{i + 1}/{len(prompts)} {q.category}: " + ", ".join(f"{k} {len(v)} tok" for k, v in outs.items()),
-                  file=sys.stderr)
-        tps = {k: tokens[k] / seconds[k] for k in methods}
-        base = tps["engine (decode generate)"]
-
-        lat, errors, done_tokens = [], 0, 0
-
-        def one(i):
-            q = prompts[i % len(prompts)]
-            t0 = time.perf_counter()
-            try:
-                r = client.chat.completions.create(model=s.model, messages=[{"role": "user", "content": q.text}],
-                                                   max_tokens=a.max_tokens, temperature=0)
-                return time.perf_counter() - t0, r.usage.completion_tokens, None
-            except Exception as exc:  # counted, reported
-                return time.perf_counter() - t0, 0, exc
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(a.clients) as pool:
-            for secs, n, exc in pool.map(one, range(a.requests)):
-                lat.append(secs)
-                done_tokens += n
-                errors += exc is not None
-        wall = time.perf_counter() - t0
-
-    rows = ["| path | tokens | tokens/s | ÷ engine |", "|---|---|---|---|"]
-    rows += [f"| {k} | {tokens[k]} | {tps[k]:.2f} | {tps[k] / base:.3f} |" for k in methods]
-    q = statistics.quantiles(lat, n=20)
-    load = (f"load: {a.requests} requests from {a.clients} clients, {a.max_tokens} max tokens: p50 "
-            f"{statistics.median(lat):.2f} s, p95 {q[18]:.2f} s, {done_tokens / wall:.2f} tokens/s aggregate, "
-            f"{errors} errors, wall {wall:.1f} s")
-    setting = (f"{len(prompts)} prompts ({a.per_category}/category of {Path(a.suite).name}), {a.max_tokens} new tokens, "
-               f"greedy, {torch.get_num_threads()} thread(s), arms {', '.join(s.worker.labels)}, policy "
-               f"{s.worker.policy_spec}; outputs identical across paths: {'yes' if identical else 'NO'}")
-    print("\n".join(rows) + "\n\n" + setting + "\n" + load)
+    print(f"\n{len(prompts)} prompts ({a.per_category}/category of {Path(a.suite).name}), {a.requests} requests per "
+          f"cell, {a.max_tokens} max tokens, greedy, {torch.get_num_threads()} thread(s), arms {', '.join(labels)}, "
+          f"policy {policy}; --max-batch {', '.join(f'{b} (= {chosen[b]})' for b in batches)}\n")
+    base = batches[0]
+    print("| clients | --max-batch | tokens/s | × " + base + " | p50 s | p50 ÷ " + base + " | p95 s | mean batch | "
+          "errors | tokens = " + base + " |\n|---|---|---|---|---|---|---|---|---|---|")
+    for clients in counts:
+        for b in batches:
+            r, r0 = results[clients][b], results[clients][base]
+            print(f"| {clients} | {b} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / r0['tokens_per_s']:.2f} | "
+                  f"{r['p50']:.2f} | {r['p50'] / r0['p50']:.2f} | {r['p95']:.2f} | {r['batch_mean']:.2f} | "
+                  f"{r['errors']} | {'yes' if r['identical'] else 'NO'} |")
+    if a.overhead:
+        o = results["overhead"]
+        print("\n" + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in o.items()))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"tokens_per_s": tps, "tokens": tokens, "identical": identical, "setting": setting,
-                               "load": {"p50": statistics.median(lat), "p95": q[18], "errors": errors,
-                                        "tokens_per_s": done_tokens / wall, "requests": a.requests,
-                                        "clients": a.clients}}, indent=1))
-    return 0 if identical and not errors else 1
+    out.write_text(json.dumps({"config": vars(a), "arms": labels, "policy": policy, "max_batch": chosen,
+                               "results": results}, indent=1))
+    ok = all(r["errors"] == 0 and r["identical"] for c in counts for r in results[c].values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

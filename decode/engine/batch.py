@@ -51,6 +51,7 @@ from ..common.device import synchronize
 from ..common.errors import UserError
 from ..core.cost import CostCurve
 from ..core.draft import RoundRecord
+from ..core.target import crop_cache
 from ..core.verify import Verifier
 from .loop import TokenBudget
 
@@ -71,6 +72,20 @@ def parse_schedule(spec: str) -> list[tuple[int, int | None, int]]:
             raise UserError(f"length=schedule:{spec}: each entry is <lo>-<hi>=<K> or <lo>-=<K> (e.g. 1-2=4,3-=0), "
                             f"got {part!r}") from None
     return out
+
+
+def parse_length(length: str) -> tuple[str, list | None, list[int] | None]:
+    """A batched length spec → (kind, its schedule or None, its EMA tiers or None); a bad one is a UserError."""
+    kind, _, arg = length.partition(":")
+    if kind not in ("fixed", "cost", "schedule", "ema") or (kind in ("schedule", "ema")) != bool(arg):
+        raise UserError(f"length must be one of {', '.join(LENGTHS)}, got {length!r}")
+    tiers = None
+    if kind == "ema":
+        try:
+            tiers = sorted({int(t) for t in arg.split(",")})
+        except ValueError:
+            raise UserError(f"length=ema:{arg}: tiers are draft lengths, e.g. ema:1,2,4") from None
+    return kind, parse_schedule(arg) if kind == "schedule" else None, tiers
 
 
 def scheduled_length(schedule: list[tuple[int, int | None, int]], B: int) -> int:
@@ -162,6 +177,19 @@ class RowCache:
         self.valid = new_valid
 
 
+def check_batchable(arms: list[Arm], policy: Policy) -> None:
+    """What batched rounds take today: model-free arms, and a policy that learns from its own rounds."""
+    for a in arms:
+        if a.name not in MODEL_FREE:
+            raise UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) for now; "
+                            f"{a.label} drafts with a model of its own (issue 32: neural arms drafting batched "
+                            f"per arm are not built yet)")
+    if getattr(policy, "uses_cost", False) or getattr(policy, "fullinfo", False):
+        raise UserError(f"policy {policy.name}: batched rounds do not yet give a policy the cost curve or "
+                        f"counterfactual feedback; use a bandit that learns from its own rounds (ucbspec, exp3spec, "
+                        f"thompson, fixed)")
+
+
 def _layers(cache: DynamicCache) -> list:
     """The cache's initialised layers (their ``keys``/``values`` are ``[B, heads, T, dim]``)."""
     return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
@@ -187,6 +215,42 @@ def _batch_cache(cache: DynamicCache, rows: int) -> DynamicCache:
     return cache
 
 
+def probe_batch_size(model, context: int = 128, sizes=(1, 2, 4, 8, 16), gain: float = 1.15, repeats: int = 3,
+                     seed: int = 0) -> tuple[int, dict[int, float]]:
+    """How many rows to decode together on this machine (``decode serve --max-batch auto``): at each size, rows of
+    ``context`` random tokens are prefilled, then one-token forwards over every row are timed (median of
+    ``repeats`` after a warm-up). Returns the largest size whose throughput (rows per second) is at least ``gain``
+    × that of the size before it, stopping at the first that is not (past it, more rows mostly add latency), and
+    the seconds of one forward at each size measured."""
+    p = next(model.parameters())
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size if hasattr(model.config, "get_text_config")
+                else model.config.vocab_size)
+    g = torch.Generator().manual_seed(seed)
+    seconds: dict[int, float] = {}
+    best = sizes[0]
+    for B in sizes:
+        cache = DynamicCache()
+        ids = torch.randint(vocab, (B, context + 1), generator=g)
+        with torch.inference_mode():
+            model(input_ids=ids[:, :context].to(p.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            times = []
+            for k in range(repeats + 1):
+                synchronize(p.device)
+                t = time.perf_counter()
+                model(input_ids=ids[:, context:].to(p.device), past_key_values=cache, use_cache=True)
+                synchronize(p.device)
+                if k:
+                    times.append(time.perf_counter() - t)
+                crop_cache(cache, context)
+        seconds[B] = sorted(times)[len(times) // 2]
+        if B != sizes[0]:
+            prev = max(b for b in seconds if b < B)
+            if B / seconds[B] < gain * prev / seconds[prev]:
+                break
+            best = B
+    return best, seconds
+
+
 # --------------------------------------------------------------------------- rows and the engine
 
 @dataclass
@@ -203,6 +267,8 @@ class Row(TokenBudget):
     rounds: list[RoundRecord] = field(default_factory=list)
     stopped_by: str = "length"
     acceptance: dict = field(default_factory=dict)  # arm -> [accepted positions, rejections] of this row
+    verifier: Verifier | None = None  # the row's own (its sampling and generator: a server's per-request ones)
+    last: list[int] = field(default_factory=list)  # the tokens its last round committed
     joined: float = 0.0  # perf_counter() when it joined
     finished: float = 0.0
 
@@ -267,16 +333,7 @@ class BatchEngine:
     def __init__(self, model, make_arms: Callable[[], list[Arm]], make_policy: Callable[[int], Policy],
                  verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 64,
                  length: str = "fixed"):
-        kind, _, arg = length.partition(":")
-        if kind not in ("fixed", "cost", "schedule", "ema") or (kind in ("schedule", "ema")) != bool(arg):
-            raise UserError(f"length must be one of {', '.join(LENGTHS)}, got {length!r}")
-        self.length = kind
-        self.schedule = parse_schedule(arg) if kind == "schedule" else None
-        if kind == "ema":
-            try:
-                self.tiers = sorted({int(t) for t in arg.split(",")})
-            except ValueError:
-                raise UserError(f"length=ema:{arg}: tiers are draft lengths, e.g. ema:1,2,4") from None
+        self.length, self.schedule, self.tiers = parse_length(length)
         self.ema_accepted: float | None = None  # accepted drafts per row-round, smoothed (length=ema)
         self.curves: dict[int, CostCurve] = {}  # batch size -> c_B(W), block widths in W=1-forward units
         self.acceptance = Acceptance()
@@ -295,28 +352,27 @@ class BatchEngine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         probe_arms = make_arms()
-        for a in probe_arms:
-            if a.name not in MODEL_FREE:
-                raise UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) for now; "
-                                f"{a.label} drafts with a model of its own (issue 32: neural arms drafting batched "
-                                f"per arm are not built yet)")
-        policy = make_policy(len(probe_arms))
-        if getattr(policy, "uses_cost", False) or getattr(policy, "fullinfo", False):
-            raise UserError(f"policy {policy.name}: batched rounds do not yet give a policy the cost curve or "
-                            f"counterfactual feedback; use a bandit that learns from its own rounds (ucbspec, exp3spec, "
-                            f"thompson, fixed)")
+        check_batchable(probe_arms, make_policy(len(probe_arms)))
 
     # ---- rows join and leave ------------------------------------------------------------------------------
 
-    def add(self, prompt_ids: list[int], max_new_tokens: int) -> int:
-        """A new row, prefilled now (alone) and padded into the batch; returns its id."""
+    def add(self, prompt_ids: list[int], max_new_tokens: int, *, arms: list[Arm] | None = None,
+            policy: Policy | None = None, verifier: Verifier | None = None) -> int:
+        """A new row, prefilled now (alone) and padded into the batch; returns its id. By default the row gets
+        ``make_arms()``, ``make_policy`` over them and the engine's verifier; a server passes its own: the
+        request's arm subset, the policy shared across requests (``carry=true``) and a verifier with the
+        request's sampling and seed."""
         if max_new_tokens <= 0:
             raise UserError(f"max_new_tokens must be > 0, got {max_new_tokens}")
         if not prompt_ids:
             raise UserError("empty prompt: there is nothing to continue")
-        arms = self.make_arms()
-        row = Row(self._next, list(prompt_ids), max_new_tokens, arms, self.make_policy(len(arms)),
-                  ctx=list(prompt_ids), joined=time.perf_counter())
+        arms = self.make_arms() if arms is None else arms
+        policy = self.make_policy(len(arms)) if policy is None else policy
+        check_batchable(arms, policy)
+        if policy.K != len(arms):
+            raise ValueError(f"policy built for {policy.K} arms, the row has {len(arms)}")
+        row = Row(self._next, list(prompt_ids), max_new_tokens, arms, policy, ctx=list(prompt_ids),
+                  verifier=verifier or self.verifier, joined=time.perf_counter())
         self._next += 1
         row.policy.new_query()
         for a in arms:
@@ -331,6 +387,16 @@ class BatchEngine:
         self.cache.add(cache, n)
         self.rows.append(row)
         return row.rid
+
+    def remove(self, rid: int) -> Row:
+        """Drop the row ``rid`` now, between rounds (a cancelled request); its slots leave the cache."""
+        at = next((i for i, r in enumerate(self.rows) if r.rid == rid), None)
+        if at is None:
+            raise KeyError(f"no row {rid} in the batch")
+        row = self.rows.pop(at)
+        self.cache.select([i for i in range(len(self.rows) + 1) if i != at])
+        row.finished = time.perf_counter()
+        return row
 
     def _drop_finished(self) -> list[Row]:
         done = [r for r in self.rows if r.done]
@@ -381,7 +447,7 @@ class BatchEngine:
         keep = torch.zeros(B, W, dtype=torch.bool)
         accepted = []
         for b, (r, d, i) in enumerate(zip(self.rows, drafts, picks)):
-            outcome = self.verifier.verify(logits[b, :lens[b]].float(), d)
+            outcome = r.verifier.verify(logits[b, :lens[b]].float(), d)
             keep[b, :outcome.accepted + 1] = True
             new = outcome.tokens[:r.remaining]
             for j, tok in enumerate(new):
@@ -391,6 +457,7 @@ class BatchEngine:
                     break
             r.ctx.extend(new)
             r.tokens.extend(new)
+            r.last = new
             for a in r.arms:
                 a.observe(r.ctx, None)
             rec = RoundRecord(arm=i, drafted=len(d), accepted=min(outcome.accepted, len(new)), new_tokens=len(new),

@@ -3,8 +3,11 @@
 restarts (its state is saved to --state-file after every request and on shutdown).
 
 Defaults: the trained pool that ships for the default target (recipes/pools/pretrained.yaml) under the
-per-round router (router:carry=true); other targets get the model-free arms pld:L=4 and suffix:L=6. One
-sequence is decoded at a time; requests wait in a fair first-come queue. Stop with Ctrl-C.
+per-round router (router:carry=true); other targets get the model-free arms pld:L=4 and suffix:L=6. Requests
+wait in a fair first-come queue. With --max-batch B > 1 up to B of them decode together, continuously batched
+(decode/engine/batch.py: model-free arms, a policy that learns from its own rounds); with B = 1 one at a time.
+--max-batch auto measures B at start when the arms and policy batch, else serves one at a time and says why.
+Stop with Ctrl-C.
 """
 from __future__ import annotations
 
@@ -52,6 +55,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="the model id clients send and /v1/models lists (default: --target)")
     p.add_argument("--max-model-len", type=int,
                    help="context length in tokens, prompt + completion (default: the model's max_position_embeddings)")
+    p.add_argument("--max-batch", default="auto",
+                   help="requests decoded together, continuously batched (1 = one at a time). auto: measured at "
+                        "start (the largest batch up to 16 whose one-token forward still gains >= 15%% throughput "
+                        "over half as many rows) when the arms are model-free and the policy learns from its own "
+                        "rounds (e.g. --arms 'pld:L=4;suffix:L=6' --policy ucbspec:carry=true), else 1 "
+                        "(default: %(default)s)")
+    p.add_argument("--batch-length", default="cost",
+                   help="draft lengths of batched rounds: cost (chosen jointly for the batch from the learnt cost "
+                        "of its block: speculation backs off as the batch grows), fixed (each arm's L), "
+                        "schedule:<B range>=<K>,... or ema:<tiers> (default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from a request's arrival to its last token, queueing included (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64,
@@ -97,6 +110,12 @@ def check_args(args) -> None:
             raise UserError(f"{flag} must be an integer >= {lo}, got {v}")
     if args.port > 65535:
         raise UserError(f"--port must be <= 65535, got {args.port}")
+    max_batch(args)
+    from ...engine.batch import parse_length
+    try:
+        parse_length(args.batch_length)
+    except UserError as exc:
+        raise UserError(f"--batch-length: {exc}") from None
     if not args.request_timeout > 0:
         raise UserError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if args.compile and args.cache == "dynamic":
@@ -105,6 +124,43 @@ def check_args(args) -> None:
         build_policy(args.policy, 2, 1)
     except UserError as exc:
         raise UserError(f"--policy: {exc}") from None
+
+
+def max_batch(args) -> int | None:
+    """--max-batch as a number, None for auto; a bad value is a UserError naming the flag."""
+    if str(args.max_batch).lower() == "auto":
+        return None
+    try:
+        value = int(args.max_batch)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UserError(f"--max-batch must be auto or an integer >= 1, got {args.max_batch!r}")
+    return value
+
+
+def resolve_batching(args, engine, err) -> tuple[int, str]:
+    """(the batch size to serve with, how it was chosen). Batched rounds take model-free arms and a policy that
+    learns from its own rounds; --max-batch B > 1 with others is an error saying so, auto serves them one at a
+    time (and says why)."""
+    from ...engine.batch import check_batchable, probe_batch_size
+
+    asked = max_batch(args)
+    if asked == 1:
+        return 1, "--max-batch 1"
+    try:
+        check_batchable(engine.arms, build_policy(args.policy, len(engine.arms), engine.max_len))
+    except UserError as exc:
+        if asked is not None:
+            raise UserError(f"--max-batch {asked}: {exc}. Serve model-free arms under such a policy (e.g. --arms "
+                            f"'{MODEL_FREE_ARMS}' --policy ucbspec:carry=true), or pass --max-batch 1") from None
+        return 1, (f"--max-batch auto: 1, one request at a time ({exc}); to batch, serve e.g. --arms "
+                   f"'{MODEL_FREE_ARMS}' --policy ucbspec:carry=true")
+    if asked is not None:
+        return asked, f"--max-batch {asked}"
+    size, seconds = probe_batch_size(engine.target.model)
+    ms = ", ".join(f"{b} rows {1000 * t:.0f} ms" for b, t in seconds.items())
+    return size, f"--max-batch auto: {size} (one-token forward: {ms})"
 
 
 def default_state_file(target: str, labels: list[str], policy: str) -> Path:
@@ -118,7 +174,7 @@ def build_server(args, err=sys.stderr):
     # the HTTP stack loads here, not at import: every decode subcommand's parser imports this module
     from .app import ServeConfig, create_app
     from .metrics import ServerMetrics
-    from .worker import Worker
+    from .worker import BatchWorker, Worker
 
     check_args(args)
     specs = arm_specs(args)
@@ -134,14 +190,20 @@ def build_server(args, err=sys.stderr):
     if info is not None:
         err.write(f"compiled {info['graphs']} target graph(s) in {info['seconds']:.0f} s\n")
     engine.generate(warm, Fixed(len(labels), engine.max_len), 8)
+    batch_size, batch_note = resolve_batching(args, engine, err)
     state = None if (args.state_file or "").lower() == "none" else (
         Path(args.state_file) if args.state_file else default_state_file(args.target, labels, args.policy))
     name = args.served_model_name or args.target
-    worker = Worker(engine, tok, gen, args.policy, metrics=ServerMetrics(), max_queue=args.max_queue,
-                    state_file=state, target=args.target, seed=args.seed)
+    common = dict(metrics=ServerMetrics(), max_queue=args.max_queue, state_file=state, target=args.target,
+                  seed=args.seed)
+    if batch_size > 1:
+        batch, make_arms = batch_engine(args, specs, model, tok, engine)
+        worker = BatchWorker(engine, batch, make_arms, tok, gen, args.policy, max_batch=batch_size, **common)
+    else:
+        worker = Worker(engine, tok, gen, args.policy, **common)
     cfg = ServeConfig(model_name=name, context=context, request_timeout=args.request_timeout,
                       max_body_bytes=args.max_body_bytes)
-    notes = [f"arms: {', '.join(labels)}", f"policy: {args.policy}"]
+    notes = [f"arms: {', '.join(labels)}", f"policy: {args.policy}", batch_note]
     if not worker.policy.carry:
         notes.append("the policy learns per request only (add carry=true to learn across requests)")
     elif state is not None:
@@ -149,6 +211,26 @@ def build_server(args, err=sys.stderr):
                                                 if worker.requests_learnt else " (new)"))
     err.write("; ".join(notes) + "\n")
     return create_app(worker, tok, cfg), worker, cfg
+
+
+def batch_engine(args, specs: list[str], model, tok, engine):
+    """The batched engine over the serial engine's run model (its linears and attention as measured), and the
+    factory of one row's arm instances; one untimed batched decode warms it up."""
+    from ...choose.arms.base import ArmEnv, build_arms
+    from ...engine.batch import BatchEngine
+    from ...core.models import pad_token_id
+
+    env = ArmEnv(model, tok, SamplingConfig(), target_name=args.target)
+
+    def make_arms():
+        return build_arms(specs, env)
+
+    batch = BatchEngine(engine.target.model, make_arms,
+                        lambda K: build_policy(args.policy, K, engine.max_len, seed=args.seed), engine.verifier,
+                        engine.eos, pad_id=pad_token_id(tok, sorted(engine.eos)), length=args.batch_length)
+    warm = encode_prompt(tok, "Hello")
+    batch.generate([warm, warm], 4)
+    return batch, make_arms
 
 
 def run(args) -> int:

@@ -1,10 +1,13 @@
-"""The one thread that owns the engine: it decodes queued requests one at a time, in arrival order.
+"""The one thread that owns the engine: :class:`Worker` decodes queued requests one at a time, in arrival order;
+:class:`BatchWorker` (``--max-batch`` > 1) decodes up to that many at once, continuously batched: a request joins
+the batch between rounds as soon as a place is free, and leaves it when it ends (EOS, its budget, a stop string,
+its client gone, its deadline).
 
 A request (``Job``) carries everything its decode needs (prompt ids, token budget, sampling, seed, stop
 strings, an optional arm subset) and a thread-safe event channel back to the HTTP handler waiting on it:
 ``("text", piece)`` as rounds accept tokens, then ``("done", Result)`` or ``("error", APIError)``. Between
-rounds the worker checks the job's cancel flag (a client that disconnected) and its deadline, so the engine is
-free again within one round.
+rounds the worker checks every running job's cancel flag (a client that disconnected) and deadline, so a row
+leaves the engine within one round.
 
 If the thread dies (an error no request can be answered for, e.g. a fatal ``BaseException``), the request it
 was decoding and every queued one fail at once with a 503 naming the reason, new ones are refused with it, and
@@ -15,7 +18,8 @@ state, so no save ever reads the policy while a round updates it.
 Learning across requests: the server's policy is built once (``carry=true`` keeps what it learnt from one
 request to the next) and its state is written to the state file after every request and on shutdown, and read
 back at start. A request that names its own arm subset gets a fresh policy of the same spec over that subset
-(its rounds do not teach the pool's policy, whose arms differ).
+(its rounds do not teach the pool's policy, whose arms differ). Batched, the carried policy is one object that
+every row's rounds select from and update (what request N learnt steers request N + 1 and its batch-mates).
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ from pathlib import Path
 import torch
 
 from ...common import metrics as m
+from ...core.verify import Verifier
+from ...engine.batch import BatchEngine, Row
 from ...engine.loop import SpecEngine
 from ...common.errors import UserError
 from ..generate import IncrementalText, decode_text, decoding_seconds
@@ -118,6 +124,35 @@ class StopText:
         return out
 
 
+class Reply:
+    """One job's text on its way to its client: ids detokenised as they arrive, a stop sequence's possible
+    beginning held back, the time of the first piece handed out."""
+
+    def __init__(self, job: Job, decode):
+        self.job = job
+        self.text, self.stops = IncrementalText(decode), StopText(job.stops)
+        self.sent = ""
+        self.stop_hit: str | None = None
+        self.first: float | None = None
+
+    def push(self, tokens: list[int]) -> bool:
+        """Hand out what ``tokens`` complete; whether a stop sequence ended the reply."""
+        piece, self.stop_hit = self.stops.feed(self.text.push(tokens))
+        self._send(piece)
+        return self.stop_hit is not None
+
+    def end(self) -> None:
+        """The decoding ended by itself: hand out what was held back for a stop that never came."""
+        piece, self.stop_hit = self.stops.feed(self.text.flush())
+        self._send(piece + ("" if self.stop_hit is not None else self.stops.flush()))
+
+    def _send(self, piece: str) -> None:
+        if piece:
+            self.first = self.first or time.monotonic()
+            self.sent += piece
+            self.job.emit("text", piece)
+
+
 class Worker:
     """The engine's owner. ``submit`` queues a job (503 when the queue is full, the server is stopping or the
     thread has died); ``start``/``stop`` run the thread; ``stop`` cancels every job, joins, then saves the
@@ -130,6 +165,7 @@ class Worker:
         self.labels = [a.label for a in engine.arms]
         self.policy_spec = policy_spec
         self.policy = build_policy(policy_spec, len(self.labels), engine.max_len, seed=seed)
+        self.policy_seed = seed
         self.metrics = metrics
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.state_file = Path(state_file) if state_file else None
@@ -141,7 +177,7 @@ class Worker:
         self._lock = threading.Lock()  # one state write at a time (worker thread vs shutdown)
         # submit vs stop/death: once either has emptied the queue, no job can enter it unanswered
         self._gate = threading.Lock()
-        self._current: Job | None = None  # the job being decoded
+        self._active: list[Job] = []  # the jobs being decoded
         self._stopping = False
         self.failure: str | None = None  # why the thread died ("ExceptionType: message"); None while it lives
         self._decode_text = decode_text(tokenizer)
@@ -250,10 +286,10 @@ class Worker:
         with self._gate:
             self._stopping = True
             queued = self._take_all()
-            running = self._current
+            running = list(self._active)
         self._fail(queued, err)
-        if running is not None:  # the worker sees it between rounds, counts it cancelled and answers the 503
-            running.cancelled.set()
+        for job in running:  # the worker sees it between rounds, counts it cancelled and answers the 503
+            job.cancelled.set()
         if self._thread is not None and self._thread.is_alive():
             self.queue.put(None)  # wakes a worker waiting on an empty queue
             self._thread.join(timeout)
@@ -278,10 +314,40 @@ class Worker:
         reason = type(exc).__name__ + (f": {exc}" if str(exc) else "")
         with self._gate:
             self.failure = reason
-            jobs = ([self._current] if self._current is not None else []) + self._take_all()
-            self._current = None
+            jobs = self._active + self._take_all()
+            self._active = []
         self.metrics.running.set(0)
         self._fail(jobs, APIError(503, self.down(), type="server_error", code="worker_unavailable"))
+
+    def _admit(self, job: Job) -> bool:
+        """Whether a job taken from the queue is still to be decoded (else it is answered or counted here)."""
+        if self._stopping:  # taken after stop emptied the queue
+            self._fail([job], _shutting_down())
+            return False
+        if job.cancelled.is_set():  # its client left while it waited
+            self.metrics.requests.labels(job.endpoint, "cancelled").inc()
+            return False
+        if time.monotonic() > job.deadline:
+            self.metrics.requests.labels(job.endpoint, "timeout").inc()
+            job.emit("error", _timeout(job))
+            return False
+        return True
+
+    def _interrupted(self, job: Job) -> str | None:
+        """Between rounds: "cancelled" (its client left, or the server stops), "timeout", or None to go on."""
+        if job.cancelled.is_set() or self._stopping:
+            return "cancelled"
+        if time.monotonic() > job.deadline:
+            return "timeout"
+        return None
+
+    def _answer_failure(self, job: Job, exc: Exception) -> None:
+        """A bug must not kill the server: the job gets a 500 (or the APIError it raised) and decoding goes on."""
+        if not isinstance(exc, APIError):
+            log.error("decoding failed:\n%s", traceback.format_exc())
+            exc = APIError(500, f"internal error while decoding: {type(exc).__name__}: {exc}", type="server_error")
+        self.metrics.requests.labels(job.endpoint, str(exc.status)).inc()
+        job.emit("error", exc)
 
     def _serve_queue(self) -> None:
         while True:
@@ -289,28 +355,15 @@ class Worker:
             self.metrics.queue.set(self.queue.qsize())
             if job is None:
                 return
-            if self._stopping:  # taken after stop emptied the queue
-                self._fail([job], _shutting_down())
-                continue
-            if job.cancelled.is_set():  # its client left while it waited
-                self.metrics.requests.labels(job.endpoint, "cancelled").inc()
-                continue
-            if time.monotonic() > job.deadline:
-                self.metrics.requests.labels(job.endpoint, "timeout").inc()
-                job.emit("error", _timeout(job))
+            if not self._admit(job):
                 continue
             self.metrics.running.set(1)
-            self._current = job
+            self._active = [job]
             try:
                 self._decode(job)
-            except Exception as exc:  # a bug must not kill the server: answer it and go on to the next job
-                if not isinstance(exc, APIError):
-                    log.error("decoding failed:\n%s", traceback.format_exc())
-                    exc = APIError(500, f"internal error while decoding: {type(exc).__name__}: {exc}",
-                                   type="server_error")
-                self.metrics.requests.labels(job.endpoint, str(exc.status)).inc()
-                job.emit("error", exc)
-            self._current = None  # not on a BaseException: _die answers the job it was decoding
+            except Exception as exc:
+                self._answer_failure(job, exc)
+            self._active = []  # not on a BaseException: _die answers the job it was decoding
             self.metrics.running.set(0)
 
     # ---- one request -------------------------------------------------------------------------------------
@@ -332,43 +385,42 @@ class Worker:
         engine, policy, spec = self._engine_for(job)
         labels = [a.label for a in engine.arms]
         engine.set_sampling(job.sampling)
-        self.gen.manual_seed(job.seed if job.seed is not None else self._rng.getrandbits(63))
+        self.gen.manual_seed(self._seed(job))
         start = time.monotonic()
         state = engine.begin(job.prompt_ids, policy, job.max_tokens)
-        text, stops = IncrementalText(self._decode_text), StopText(job.stops)
-        sent, stop_hit, first = "", None, None
+        reply = Reply(job, self._decode_text)
         outcome = None
-
-        def send(piece: str) -> None:
-            nonlocal sent, first
-            if piece:
-                first = first or time.monotonic()
-                sent += piece
-                job.emit("text", piece)
-
         while not state.done:
-            if job.cancelled.is_set() or self._stopping:
-                outcome = "cancelled"
+            outcome = self._interrupted(job)
+            if outcome is not None:
                 break
-            if time.monotonic() > job.deadline:
-                outcome = "timeout"
-                break
+            t = time.perf_counter()
             r = engine.step(state)
             self.metrics.round(r.record, labels[r.arm])
-            piece, stop_hit = stops.feed(text.push(r.tokens))
-            send(piece)
-            if stop_hit is not None:
+            self.metrics.batch_round(1, len(r.tokens), time.perf_counter() - t)
+            if reply.push(r.tokens):
                 break
         g = engine.finish(state)
-        tokens = list(g.tokens)
-        if outcome is None and stop_hit is None:  # the end: what was held back for a stop that never came
-            piece, stop_hit = stops.feed(text.flush())
-            send(piece + ("" if stop_hit is not None else stops.flush()))
-        if stop_hit is not None:  # the tokens that made the text up to the end of the stop sequence
-            tokens = self._tokens_through(tokens, len(sent) + len(stop_hit))
-        seconds = decoding_seconds(g)
-        self.metrics.generation(len(job.prompt_ids), len(g.tokens), g.target_forwards, seconds)
-        if job.arms is None and policy.carry:
+        self._conclude(reply, list(g.tokens), outcome, g.stopped_by, g.rounds, labels, spec,
+                       seconds=decoding_seconds(g), start=start, learnt=job.arms is None and policy.carry)
+
+    def _seed(self, job: Job) -> int:
+        return job.seed if job.seed is not None else self._rng.getrandbits(63)
+
+    def _conclude(self, reply: Reply, tokens: list[int], outcome: str | None, stopped_by: str, rounds: list,
+                  labels: list[str], spec: str, *, seconds: float, start: float, learnt: bool,
+                  extra: dict | None = None) -> None:
+        """A job's decoding ended (``outcome`` None: by itself or a stop sequence; "cancelled"; "timeout"): count
+        it, save what the carried policy learnt, and answer its client."""
+        job = reply.job
+        if outcome is None and reply.stop_hit is None:
+            reply.end()
+        generated = len(tokens)
+        if reply.stop_hit is not None:  # the tokens that made the text up to the end of the stop sequence
+            tokens = self._tokens_through(tokens, len(reply.sent) + len(reply.stop_hit))
+        forwards = len(rounds) + sum(r.extra_target_forwards for r in rounds)
+        self.metrics.generation(len(job.prompt_ids), generated, forwards, seconds)
+        if learnt:
             self.requests_learnt += 1
             self.save_state()
         if outcome == "timeout":
@@ -382,18 +434,18 @@ class Worker:
             return
         end = time.monotonic()
         self.metrics.latency.observe(end - job.arrival)
-        self.metrics.first_token.observe((first or end) - job.arrival)
-        reason = "stop" if stop_hit is not None or g.stopped_by == "eos" else "length"
-        pulls = m.pull_counts([r.arm for r in g.rounds], labels)
-        info = {"mat": round(m.mat(len(g.tokens), g.target_forwards), 4), "target_forwards": g.target_forwards,
-                "rounds": len(g.rounds), "policy": spec, "arm_set": labels,
-                "arms": {k: v for k, v in pulls.items() if v}, "arms_played": [labels[r.arm] for r in g.rounds],
-                "decode_seconds": round(seconds, 4), "tokens_per_s": round(m.tokens_per_s(len(g.tokens), seconds), 2),
-                "queue_seconds": round(start - job.arrival, 4)}
+        self.metrics.first_token.observe((reply.first or end) - job.arrival)
+        reason = "stop" if reply.stop_hit is not None or stopped_by == "eos" else "length"
+        pulls = m.pull_counts([r.arm for r in rounds], labels)
+        info = {"mat": round(m.mat(generated, forwards), 4), "target_forwards": forwards,
+                "rounds": len(rounds), "policy": spec, "arm_set": labels,
+                "arms": {k: v for k, v in pulls.items() if v}, "arms_played": [labels[r.arm] for r in rounds],
+                "decode_seconds": round(seconds, 4), "tokens_per_s": round(m.tokens_per_s(generated, seconds), 2),
+                "queue_seconds": round(start - job.arrival, 4), **(extra or {})}
         if job.return_token_ids:
             info["token_ids"] = tokens
         self.metrics.requests.labels(job.endpoint, "ok").inc()
-        job.emit("done", Result(reason, sent, tokens, len(job.prompt_ids), info))
+        job.emit("done", Result(reason, reply.sent, tokens, len(job.prompt_ids), info))
 
     def _tokens_through(self, tokens: list[int], chars: int) -> list[int]:
         """The shortest prefix of ``tokens`` whose text reaches ``chars`` characters (a longer prefix's text
@@ -406,6 +458,123 @@ class Worker:
             else:
                 lo = mid + 1
         return tokens[:lo]
+
+
+@dataclass
+class Flight:
+    """A job decoding in the batch: its row, its reply, and what its answer reports."""
+
+    job: Job
+    row: Row
+    reply: Reply
+    labels: list[str]
+    spec: str
+    learns: bool  # its rounds teach the server's carried policy
+    start: float  # time.monotonic() when it joined the batch
+    rows_seen: int = 0  # Σ over its rounds of the batch's rows (its mean batch size = rows_seen / rounds)
+
+
+class BatchWorker(Worker):
+    """Continuous batching (``decode serve --max-batch B``): up to B requests decode together, one target forward
+    per round for all of them (decode/engine/batch.py). Between rounds the worker admits waiting requests into
+    free places (each is prefilled as it joins), drops rows whose client left, whose deadline passed or whose
+    text reached a stop sequence, and answers the rows that ended. Every row has its own arm instances (model-free
+    arms keep per-sequence state), its own verifier (the request's sampling, a generator seeded by the request's
+    seed, so its tokens do not depend on its batch-mates) and either the server's carried policy or a fresh one
+    (a request naming its own arm subset, or a policy without carry=true)."""
+
+    def __init__(self, engine: SpecEngine, batch: BatchEngine, make_arms, tokenizer, generator: torch.Generator,
+                 policy_spec: str, *, max_batch: int, **kw):
+        super().__init__(engine, tokenizer, generator, policy_spec, **kw)
+        if max_batch < 1:
+            raise UserError(f"--max-batch must be >= 1, got {max_batch}")
+        self.batch, self.make_arms, self.max_batch = batch, make_arms, max_batch
+        self.flights: dict[int, Flight] = {}
+
+    def _serve_queue(self) -> None:
+        closing = False
+        while True:
+            t0 = time.perf_counter()
+            while not closing and len(self.flights) < self.max_batch:
+                try:  # wait for work only when nothing is decoding
+                    job = self.queue.get(block=not self.flights)
+                except queue.Empty:
+                    break
+                self.metrics.queue.set(self.queue.qsize())
+                if job is None:  # stop(): the running rows were cancelled and end at the checks below
+                    closing = True
+                elif self._admit(job):
+                    self._join(job)
+            if closing and not self.flights:
+                return
+            for rid, f in list(self.flights.items()):
+                outcome = self._interrupted(f.job)
+                if outcome is not None:
+                    self.batch.remove(rid)
+                    self._land(rid, outcome)
+            if not self.flights:
+                continue
+            rows = list(self.batch.rows)
+            try:
+                finished = {r.rid for r in self.batch.step()}
+            except Exception as exc:  # the batch's state is unknown now: every row in it is answered, the batch emptied
+                for rid, f in list(self.flights.items()):
+                    self._answer_failure(f.job, exc)
+                    if any(r.rid == rid for r in self.batch.rows):
+                        self.batch.remove(rid)
+                    del self.flights[rid]
+                self._set_active()
+                continue
+            self.metrics.batch_round(len(rows), sum(len(r.last) for r in rows), time.perf_counter() - t0)
+            for r in rows:
+                f = self.flights[r.rid]
+                f.rows_seen += len(rows)
+                self.metrics.round(r.rounds[-1], f.labels[r.rounds[-1].arm])
+                if f.reply.push(r.last) and r.rid not in finished:  # a stop sequence: the row leaves now
+                    self.batch.remove(r.rid)
+                    finished.add(r.rid)
+                if r.rid in finished:
+                    self._land(r.rid, None)
+
+    def _set_active(self) -> None:
+        self._active = [f.job for f in self.flights.values()]
+        self.metrics.running.set(len(self.flights))
+
+    def _join(self, job: Job) -> None:
+        """Prefill the job's row and put it in the batch (a failure is the job's alone)."""
+        try:
+            arms = self.make_arms()
+            if job.arms is None:
+                labels, spec, learns = self.labels, self.policy_spec, self.policy.carry
+                policy = self.policy if self.policy.carry else build_policy(self.policy_spec, len(arms),
+                                                                            self.engine.max_len, seed=self.policy_seed)
+            else:
+                arms = [arms[i] for i in job.arms]
+                labels, learns = [a.label for a in arms], False
+                spec = "fixed" if len(arms) == 1 else self.policy_spec
+                policy = (Fixed(1, arms[0].L) if len(arms) == 1
+                          else build_policy(self.policy_spec, len(arms), max(a.L for a in arms), seed=0))
+            for a in arms:
+                a.set_sampling(job.sampling)
+            gen = torch.Generator(self.batch.device).manual_seed(self._seed(job))
+            verifier = Verifier(job.sampling, self.engine.verifier.backend, gen)
+            rid = self.batch.add(job.prompt_ids, job.max_tokens, arms=arms, policy=policy, verifier=verifier)
+        except Exception as exc:
+            self._answer_failure(job, exc)
+            return
+        row = self.batch.rows[-1]
+        self.flights[rid] = Flight(job, row, Reply(job, self._decode_text), labels, spec, learns, time.monotonic())
+        self._set_active()
+
+    def _land(self, rid: int, outcome: str | None) -> None:
+        """The row ``rid`` has left the batch: answer its job."""
+        f = self.flights.pop(rid)
+        self._set_active()
+        r = f.row
+        rounds = len(r.rounds)
+        self._conclude(f.reply, list(r.tokens), outcome, r.stopped_by, r.rounds, f.labels, f.spec,
+                       seconds=r.finished - r.joined, start=f.start, learnt=f.learns,
+                       extra={"batch_size_mean": round(f.rows_seen / rounds, 3) if rounds else 0.0})
 
 
 def _shutting_down() -> APIError:
