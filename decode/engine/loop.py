@@ -337,6 +337,19 @@ def _depth(draft) -> int:
     return int(depths(draft.parents).max())
 
 
+def target_run_model(model, linear: str) -> tuple[torch.nn.Module, str, dict | None]:
+    """The model our engines run the target as: its linear layers as ``linear`` (a resolved kind of
+    decode/core/linear.py; ``auto`` measured here) and, on a CPU, grouped-query attention that reads the cache's
+    heads as they are (decode/core/attention.py). ``model`` itself is not modified. Returns (run model, the
+    linear kind, the probe's measurements or None)."""
+    probe = None
+    if linear == "auto":  # resolve_linear leaves auto where packing is usable: measure which runs faster here
+        linear, run_model, probe = probe_linear(model)
+    else:
+        run_model = linear_model(model, linear)
+    return gqa_attention_model(run_model, in_place=run_model is not model), linear, probe
+
+
 def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfig, generator: torch.Generator, *,
                  cache: str, compile: bool = False, linear: str = "stock", verifier: str = "auto",
                  target_name: str = "target", trust_remote_code: bool = False, needs_hidden: bool = False) -> SpecEngine:
@@ -347,13 +360,7 @@ def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfi
     the hf reference keeps running it, and arms that copy or load weights into target modules (EAGLE's layer,
     early-exit stacks) build on it, never on packed weights that a later ``load_state_dict`` would not reach.
     The target returns hidden states when an arm or ``needs_hidden`` (a length controller) reads them."""
-    probe = None
-    if linear == "auto":  # resolve_linear leaves auto where packing is usable: measure which runs faster here
-        linear, run_model, probe = probe_linear(model)
-    else:
-        run_model = linear_model(model, linear)
-    # grouped-query attention without repeating the cache's heads (CPU; decode/core/attention.py)
-    run_model = gqa_attention_model(run_model, in_place=run_model is not model)
+    run_model, linear, probe = target_run_model(model, linear)
     target = Target(run_model, tokenizer, want_hidden=False, cache=cache, compile=compile)
     target.linear, target.linear_probe = linear, probe
     env = ArmEnv(model, tokenizer, sampling, generator, target_name=target_name,

@@ -111,6 +111,17 @@ def parse_policy_specs(text: str) -> list[str]:
     return specs
 
 
+def parse_batch_sizes(text: str) -> list[int]:
+    """``--batch 1,2,4,8`` → [1, 2, 4, 8]: distinct integers >= 1, in the order given."""
+    try:
+        sizes = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise UserError(f"--batch must be distinct integers >= 1 separated by ',' (e.g. 1,2,4,8), got {text!r}")
+    return sizes
+
+
 def parse_peer_specs(text: str) -> list[str]:
     """``--peers``: ';'-separated specs, checked by decode/evaluation/peers.py before any model loads."""
     specs = split_specs(text or "")
@@ -146,6 +157,10 @@ class EvalConfig:
     cache: str = "static"  # dynamic | static | prefix
     compile: bool = False
     linear: str = "stock"  # resolved (auto → onednn on a CPU, stock elsewhere): decode/core/linear.py
+    # --batch: batch sizes of a batched evaluation (decode/evaluation/batched.py); None = one sequence at a time
+    batch: list[int] | None = None
+    batch_schedule: str = "1-2=4,3-4=2,5-=1"
+    batch_ema: str = "1,2,4"
     # outputs and presentation (NOT_RESULTS)
     out: str = "runs/eval/report.json"
     record_traces: str | None = None
@@ -161,7 +176,9 @@ class EvalConfig:
         from ..common.device import dtype_name, resolve_device, resolve_dtype
         a = vars(args)
         cfg = cls(**{f.name: a[f.name] for f in fields(cls) if f.name in a and f.name not in
-                     ("categories", "arms", "policies", "peers", "device", "dtype", "cache", "linear")})
+                     ("categories", "arms", "policies", "peers", "device", "dtype", "cache", "linear", "batch",
+                      "out")})
+        cfg.out = a.get("out") or ("runs/eval-batch/report.json" if a.get("batch") else "runs/eval/report.json")
         cfg.check_ranges()
         cfg.check_outputs()
         if a.get("categories") is not None:
@@ -181,7 +198,27 @@ class EvalConfig:
         cfg.cache = resolve_cache(a.get("cache"), device, cfg.compile)
         if cfg.compile and cfg.cache != "static":
             raise UserError(f"--compile needs --cache static (a {cfg.cache} cache changes shape every round)")
+        if a.get("batch"):
+            cfg.batch = parse_batch_sizes(a["batch"])
+            cfg.check_batched()
         return cfg
+
+    def check_batched(self) -> None:
+        """What a batched evaluation (--batch) takes; the arms and policies are checked by batch_methods."""
+        from ..engine.batch import parse_length
+        for name, on in (("--peers", bool(self.peers)), ("--length", bool(self.length)),
+                         ("--record-traces", bool(self.record_traces)), ("--compile", self.compile)):
+            if on:
+                raise UserError(f"{name} is not part of a batched evaluation (--batch): its methods are HF generate "
+                                f"batched and our batched rounds; drop {name} or --batch")
+        for flag_name, spec in (("--batch-schedule", f"schedule:{self.batch_schedule}"),
+                                ("--batch-ema", f"ema:{self.batch_ema}")):
+            try:
+                parse_length(spec)
+            except UserError as exc:
+                raise UserError(f"{flag_name}: {exc}") from None
+        from .batched import batch_methods
+        batch_methods(self)
 
     def check_ranges(self) -> None:
         """One-line errors naming the flag and its valid range (NaN/inf included)."""

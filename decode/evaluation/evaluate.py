@@ -69,10 +69,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="integer >= 1 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help=f"integer in [0, {MAX_SEED}]")
     add_decoding_arguments(p)
-    p.add_argument("--out", default="runs/eval/report.json",
+    p.add_argument("--batch", metavar="B,...",
+                   help="a batched evaluation instead (speculation under load): for each batch size, HF generate "
+                        "batched, our batched rounds without speculation, with each arm fixed, with the first arm under "
+                        "--batch-schedule and --batch-ema, and each policy choosing per sequence with lengths from "
+                        "the batch's cost; goodput, latency p50/p95, MAT and lossless rows per method and B, and a "
+                        "figure of goodput against B. Model-free arms (e.g. --batch 1,2,4,8)")
+    p.add_argument("--batch-schedule", default="1-2=4,3-4=2,5-=1",
+                   help="the vLLM-style baseline's draft length per batch size range (default: %(default)s)")
+    p.add_argument("--batch-ema", default="1,2,4",
+                   help="the SGLang-style baseline's draft-length tiers (default: %(default)s)")
+    p.add_argument("--out",
                    help="report JSON file (the markdown table is written beside it with the suffix .md, the "
                         "records as they finish into records.jsonl, or NAME.records.jsonl for --out NAME.json); "
-                        "rerunning with the same --out resumes")
+                        "rerunning with the same --out resumes (default: runs/eval/report.json, with --batch "
+                        "runs/eval-batch/report.json)")
     p.add_argument("--fresh", "--overwrite", dest="fresh", action="store_true",
                    help="discard the records an earlier run left at --out and start over (also replaces a "
                         "file at --out or --record-traces that this tool did not write, which is refused otherwise)")
@@ -232,6 +243,10 @@ def evaluate(cfg: EvalConfig) -> int:
     prompts = load_jsonl_suite(cfg.suite) if cfg.suite else list(BUILTIN)
     prompts = select(prompts, cfg.categories, cfg.limit)
     keys = _prompt_keys(prompts)
+    if cfg.batch:
+        from .batched import evaluate_batched
+        check_new_tokens(cfg.max_new_tokens, target_context(cfg.target, cfg.trust_remote_code), cfg.target)
+        return evaluate_batched(cfg, prompts, keys, _environment(torch.device(cfg.device)))
 
     header, records, good_bytes = None, [], 0
     if not cfg.fresh:  # --fresh: whatever is there is discarded unread

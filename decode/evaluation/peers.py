@@ -104,6 +104,17 @@ def hf_generate(model, ids: list[int], max_new_tokens: int, sampling: SamplingCo
     ``assistant_early_exit``, ...) go into the call's GenerationConfig, anything else (``assistant_model``)
     is passed to ``generate``. The clock is read after synchronising the model's device.
     """
+    rows, seconds = hf_generate_batch(model, [ids], max_new_tokens, sampling, eos, pad_token_id,
+                                      model_generation_config=model_generation_config, **generate_kwargs)
+    return rows[0][0], seconds, rows[0][1]
+
+
+@torch.inference_mode()
+def hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+                      eos: list[int], pad_token_id: int, *, model_generation_config=None,
+                      **generate_kwargs) -> tuple[list[tuple[list[int], str]], float]:
+    """:func:`hf_generate` on several prompts at once, left-padded (how HF batches decoder-only models; the
+    plain baseline of ``decode eval --batch``): ([(new tokens, "eos" | "length")] per prompt, seconds)."""
     from transformers import GenerationConfig
 
     opts = dict(do_sample=not sampling.greedy)
@@ -112,20 +123,24 @@ def hf_generate(model, ids: list[int], max_new_tokens: int, sampling: SamplingCo
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=list(eos) or None,
                            pad_token_id=pad_token_id, use_cache=True, **opts)
     call_kwargs = cfg.update(**generate_kwargs)  # settings into the config; the rest (assistant_model) as kwargs
-    x = torch.tensor([ids], dtype=torch.long, device=model.device)
+    width = max(map(len, prompts))
+    x = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(x)
+    for i, ids in enumerate(prompts):
+        x[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        mask[i, width - len(ids):] = 1
+    x, mask = x.to(model.device), mask.to(model.device)
     installed = model_generation_config if model_generation_config is not None else GenerationConfig()
     saved, model.generation_config = model.generation_config, installed
     try:
         synchronize(model.device)
         start = time.perf_counter()
-        out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg, **call_kwargs)
+        out = model.generate(x, attention_mask=mask, generation_config=cfg, **call_kwargs)
         synchronize(model.device)
         seconds = time.perf_counter() - start
-        tokens = out[0, len(ids):].tolist()
     finally:
         model.generation_config = saved
-    tokens, stopped_by = truncate_at_eos(tokens, set(eos))
-    return tokens, seconds, stopped_by
+    return [truncate_at_eos(row, set(eos)) for row in out[:, width:].tolist()], seconds
 
 
 class HFMethod:

@@ -1,0 +1,107 @@
+"""`decode eval --batch` (issue 32 §3, decode/evaluation/batched.py): every method at every batch size, rows
+checked against their plain greedy decoding, a figure, a resumable records file, and what cannot batch refused
+before any model loads."""
+import json
+
+import pytest
+
+from decode.commands.cli import main
+from decode.common.errors import UserError
+from decode.evaluation.batched import SEGMENT, build_batch_report
+
+
+def _eval(tiny_target_dir, out, *extra):
+    return main(["eval", "--target", tiny_target_dir, "--batch", "1,3", "--limit", "1", "--max-new-tokens", "10",
+                 "--categories", "chat,code,math", "--out", str(out), "--no-progress", *extra])
+
+
+def test_every_method_at_every_batch_size_with_lossless_rows_and_a_figure(tiny_target_dir, tmp_path, capsys):
+    out = tmp_path / "r" / "report.json"
+    assert _eval(tiny_target_dir, out) == 0
+    report = json.loads(out.read_text())
+    assert list(report["results"]) == ["1", "3"]
+    want = ["hf", "batch:none", "batch:pld:L=4", "batch:suffix:L=6", "batch:pld:L=4+schedule", "batch:pld:L=4+ema",
+            "batch:ucbspec+cost", "batch:exp3spec+cost"]
+    for B, cells in report["results"].items():
+        assert list(cells) == want
+        for name, c in cells.items():
+            assert c["rows"] == 3 and c["tokens"] > 0 and c["goodput"] > 0 and c["p95"] >= c["p50"] > 0
+            assert c["mat"] >= 1.0
+            # a row may differ from its plain greedy decoding only where the target itself nearly ties
+            assert c["lossless_rows"] + len(c["differs_at"]) == 3
+            assert all(d["top2_margin"] is not None and d["top2_margin"] < 1e-3 for d in c["differs_at"]), d
+    assert set(report["summary"]["3"]) == {"best_baseline", "batch:ucbspec+cost", "batch:exp3spec+cost"}
+    assert (out.parent / "report.goodput_vs_batch.png").stat().st_size > 1000
+    md = (out.parent / "report.md").read_text()
+    assert md.startswith("| method | B |") and "goodput_vs_batch.png" in md
+    # at B = 3 the rows shared rounds: 3 prompts, fewer rounds than at B = 1 for the unspeculated engine
+    records = [json.loads(x) for x in (out.parent / "records.jsonl").read_text().splitlines()]
+    assert records[0]["format"] == "adaspec-batch-eval-records/1"
+    assert sum(r["kind"] == "reference" for r in records[1:] if "kind" in r) == 3
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(tiny_target_dir, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert _eval(tiny_target_dir, out) == 0
+    records = out.with_name("records.jsonl")
+    lines = records.read_text().splitlines(keepends=True)
+    runs = [x for x in lines if '"segment"' in x]
+    keep = lines[:len(lines) - len(runs) // 2]
+    records.write_text("".join(keep) + '{"B": 3, "segm')  # killed mid-write
+    first = json.loads(out.read_text())
+    assert _eval(tiny_target_dir, out) == 0
+    again = [json.loads(x) for x in records.read_text().splitlines()]
+    assert len([r for r in again if "segment" in r]) == len(runs)  # the missing runs decoded once, nothing twice
+    assert {(r["B"], r["segment"], r["method"]) for r in again if "segment" in r} == \
+        {(r["B"], r["segment"], r["method"]) for r in map(json.loads, runs)}
+    report = json.loads(out.read_text())
+    for B in ("1", "3"):
+        assert {k: v["lossless_rows"] for k, v in report["results"][B].items()} == \
+            {k: v["lossless_rows"] for k, v in first["results"][B].items()}
+    # other settings never mix into the same records
+    assert main(["eval", "--target", tiny_target_dir, "--batch", "1,3", "--limit", "1", "--max-new-tokens", "11",
+                 "--categories", "chat,code,math", "--out", str(out), "--no-progress"]) != 0
+    assert "--max-new-tokens (was 10, now 11)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--batch", "0"], "--batch must be distinct integers >= 1"),
+    (["--batch", "2,2"], "--batch must be distinct integers >= 1"),
+    (["--batch", "two"], "--batch must be distinct integers >= 1"),
+    (["--batch", "2", "--arms", "eagle:path=pretrained/smollm2-135m-instruct/eagle,L=2"], "model-free arms"),
+    (["--batch", "2", "--policies", "router"], "--policies router: .*cost curve"),
+    (["--batch", "2", "--peers", "hf-pld:n=3"], "--peers is not part of a batched evaluation"),
+    (["--batch", "2", "--length", "beta-ts"], "--length is not part of a batched evaluation"),
+    (["--batch", "2", "--batch-schedule", "1-2"], "--batch-schedule"),
+    (["--batch", "2", "--batch-ema", "a"], "--batch-ema"),
+])
+def test_what_cannot_batch_is_refused_before_any_model_loads(extra, needle, tmp_path):
+    from decode.evaluation.eval_config import EvalConfig
+    from decode.evaluation.evaluate import add_arguments
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(UserError, match=needle):
+        EvalConfig.from_args(p.parse_args(["--target", str(tmp_path / "no-such-model"), "--out",
+                                           str(tmp_path / "r.json"), *extra]))
+
+
+def test_the_report_compares_the_adaptive_method_with_the_best_baseline():
+    header = {"methods": ["hf", "batch:none", "batch:ucbspec+cost"], "config": {}, "prompts": [["a"], ["b"]]}
+    rows = lambda n, lat: [{"prompt_id": "a", "token_ids": [1] * n, "latency": lat, "forwards": n},  # noqa: E731
+                           {"prompt_id": "b", "token_ids": [2] * n, "latency": 2 * lat, "forwards": n // 2}]
+    records = [{"kind": "reference", "prompt_id": "a", "token_ids": [1] * 8},
+               {"kind": "reference", "prompt_id": "b", "token_ids": [2] * 7 + [3]},
+               {"B": 2, "segment": 0, "method": "hf", "seconds": 2.0, "rows": rows(8, 1.0)},
+               {"B": 2, "segment": 0, "method": "batch:none", "seconds": 1.0, "rows": rows(8, 0.5)},
+               {"B": 2, "segment": 0, "method": "batch:ucbspec+cost", "seconds": 0.8, "rows": rows(8, 0.4)}]
+    r = build_batch_report(header, records, margins={"b@7": 0.0001})
+    cells = r["results"]["2"]
+    assert cells["hf"]["goodput"] == 8 and cells["batch:none"]["goodput"] == 16
+    assert cells["batch:ucbspec+cost"]["goodput"] == 20 and cells["batch:ucbspec+cost"]["mat"] == 16 / 12
+    assert cells["batch:none"]["lossless_rows"] == 1
+    assert cells["batch:none"]["differs_at"] == [{"prompt_id": "b", "position": 7, "top2_margin": 0.0001}]
+    assert r["summary"]["2"]["best_baseline"] == "batch:none"
+    assert r["summary"]["2"]["batch:ucbspec+cost"] == {"vs_best_baseline": 1.25, "vs_hf": 2.5}
+    assert SEGMENT >= 1
