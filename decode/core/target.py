@@ -154,6 +154,23 @@ def _kv_dims(config) -> tuple[int, int]:
     return kv, head_dim
 
 
+def allocate_cache(config, kind: str, size: int, dtype: torch.dtype, device, batch: int = 1) -> StaticCache:
+    """A pre-allocated HF cache of ``size`` slots for ``batch`` rows: ``static`` (StaticLayer) or ``prefix``
+    (:class:`PrefixLayer`: attention over the filled prefix only). Full-attention models only (a clear error
+    otherwise)."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    cache = StaticCache(config=config, max_cache_len=size)
+    bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer]
+    if bad:
+        raise UserError(f"cache={kind} supports full-attention layers only; this model's cache has "
+                        f"{sorted(set(bad))} layers (sliding-window / linear attention): use cache=dynamic")
+    if kind == "prefix":
+        cache.layers = [PrefixLayer(size) for _ in cache.layers]
+    kv, head_dim = _kv_dims(config)
+    cache.early_initialization(batch, kv, head_dim, dtype, device)
+    return cache
+
+
 class KVCache:
     """The KV cache of one sequence, with a length pointer (see the module docstring).
 
@@ -187,17 +204,8 @@ class KVCache:
 
     # -- allocation ---------------------------------------------------------------------------------
     def _allocate(self, size: int) -> StaticCache:
-        cache = StaticCache(config=self.config, max_cache_len=size)
-        bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer]
-        if bad:
-            raise UserError(f"cache={self.kind} supports full-attention layers only; this model's cache has "
-                            f"{sorted(set(bad))} layers (sliding-window / linear attention): use cache=dynamic")
-        if self.kind == "prefix":
-            cache.layers = [PrefixLayer(size) for _ in cache.layers]
-        kv, head_dim = _kv_dims(self.config)
-        cache.early_initialization(1, kv, head_dim, self.dtype, self.device)
         self.allocations += 1
-        return cache
+        return allocate_cache(self.config, self.kind, size, self.dtype, self.device)
 
     def start(self, capacity: int | None = None, minimum: int = 0) -> None:
         """Begin a new sequence (length 0).

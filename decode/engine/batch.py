@@ -98,10 +98,17 @@ def scheduled_length(schedule: list[tuple[int, int | None, int]], B: int) -> int
 # --------------------------------------------------------------------------- the cache
 
 class RowCache:
-    """One KV cache for B rows with per-row valid slots (see the module docstring)."""
+    """One KV cache for B rows with per-row valid slots (see the module docstring).
 
-    def __init__(self):
-        self.hf: DynamicCache | None = None
+    The slots live in a pre-allocated HF cache of :class:`~decode.core.target.PrefixLayer` layers (``[B, heads,
+    capacity, dim]``): a forward writes its W block slots in place after the ``slots`` filled ones and attends over
+    the filled prefix, so a round copies nothing of the cache (an HF ``DynamicCache`` concatenates every layer's
+    whole cache every forward: at 8 rows × 300 tokens that was ~10% of a round here). Capacity grows by doubling
+    (:meth:`reserve`); rows joining and leaving, and compaction, copy the cache once each."""
+
+    def __init__(self, config=None):
+        self.config = config  # the model's (allocation before any row has a slot of its own)
+        self.hf = None  # an HF StaticCache of PrefixLayers, [B, heads, capacity, dim] per layer; None = no slot yet
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, T], on the CPU (masks are built there)
 
     @property
@@ -112,38 +119,79 @@ class RowCache:
     def slots(self) -> int:
         return self.valid.shape[1]
 
+    @property
+    def capacity(self) -> int:
+        return _layers(self.hf)[0].keys.shape[2] if self.hf is not None else 0
+
     def lengths(self) -> list[int]:
         return self.valid.sum(1).tolist()
 
-    def add(self, cache: DynamicCache | None, n: int) -> None:
-        """Append one row whose cache holds ``n`` slots (all valid); ``cache`` None for ``n == 0``."""
-        valid = torch.ones(1, n, dtype=torch.bool)
-        if self.hf is None:  # no slot yet in any row: the new row's cache, with empty rows put before it
-            if cache is not None and self.rows:
-                cache = _batch_cache(cache, self.rows)
-            self.hf = cache
-            self.valid = torch.cat([torch.zeros(self.rows, n, dtype=torch.bool), valid])
+    def _set(self, tensors: list[tuple[torch.Tensor, torch.Tensor]], filled: int) -> None:
+        """Install per-layer ``[B, heads, capacity, dim]`` keys/values with ``filled`` slots in use."""
+        for layer, (k, v) in zip(_layers(self.hf), tensors):
+            layer.keys, layer.values = k, v
+            layer.max_cache_len, layer.filled = k.shape[2], filled
+
+    def _allocate(self, rows: int, capacity: int, dtype: torch.dtype, device) -> None:
+        from ..core.target import allocate_cache
+        if self.config is None:
+            raise ValueError("RowCache(config=...) is needed to hold slots (the model's config sizes the layers)")
+        self.hf = allocate_cache(self.config, "prefix", capacity, dtype, device, batch=rows)
+        for layer in self.hf.layers:
+            layer.filled = 0
+
+    def reserve(self, width: int, dtype: torch.dtype, device) -> None:
+        """Room for a forward of ``width`` more slots per row (allocated or doubled as needed)."""
+        need = self.slots + width
+        if self.hf is None:
+            self._allocate(self.rows, _round_up(need), dtype, device)
             return
+        if need <= self.capacity:
+            return
+        cap = max(2 * self.capacity, _round_up(need))
+        T = self.slots
+        out = []
+        for layer in _layers(self.hf):
+            k = layer.keys.new_zeros(layer.keys.shape[0], layer.keys.shape[1], cap, layer.keys.shape[3])
+            v = torch.zeros_like(k)
+            k[:, :, :T], v[:, :, :T] = layer.keys[:, :, :T], layer.values[:, :, :T]
+            out.append((k, v))
+        self._set(out, T)
+
+    def add(self, cache: DynamicCache | None, n: int) -> None:
+        """Append one row whose (one-row, dynamic) cache holds ``n`` slots, all valid; ``cache`` None for ``n == 0``."""
+        valid = torch.ones(1, n, dtype=torch.bool)
         T = max(self.slots, n)
         self.valid = torch.cat([_pad(self.valid, T), _pad(valid, T)])
+        if self.hf is None and cache is None:
+            return  # no slot in any row yet: allocated by the first forward
         new_layers = _layers(cache) if cache is not None else None
-        for k, mine in enumerate(_layers(self.hf)):
-            if new_layers is None:  # an empty row: zero slots of its own, all padding
-                nk = mine.keys.new_zeros(1, mine.keys.shape[1], T, mine.keys.shape[3])
-                nv = mine.values.new_zeros(1, mine.values.shape[1], T, mine.values.shape[3])
-            else:
-                nk, nv = _pad_slots(new_layers[k].keys, T), _pad_slots(new_layers[k].values, T)
-            mine.keys = torch.cat([_pad_slots(mine.keys, T), nk])
-            mine.values = torch.cat([_pad_slots(mine.values, T), nv])
+        if self.hf is None:  # the first slots: the new row's, with the (empty) rows before it
+            ref = new_layers[0].keys
+            self._allocate(self.rows - 1, _round_up(T), ref.dtype, ref.device)
+        B, cap = self.rows, max(self.capacity, _round_up(T))
+        out = []
+        for k_, layer in enumerate(_layers(self.hf)):
+            k = layer.keys.new_zeros(B, layer.keys.shape[1], cap, layer.keys.shape[3])
+            v = torch.zeros_like(k)
+            old = min(self.slots, layer.filled)
+            k[:B - 1, :, :old], v[:B - 1, :, :old] = layer.keys[:, :, :old], layer.values[:, :, :old]
+            if new_layers is not None:
+                k[B - 1, :, :n], v[B - 1, :, :n] = new_layers[k_].keys[0], new_layers[k_].values[0]
+            out.append((k, v))
+        self._set(out, T)
 
     def select(self, keep: list[int]) -> None:
         """Keep the rows ``keep`` (in that order)."""
         idx = torch.tensor(keep, dtype=torch.long)
         self.valid = self.valid[idx]
-        if self.hf is not None:
-            self.hf.batch_select_indices(idx.to(_layers(self.hf)[0].keys.device))
         if not keep:
             self.hf, self.valid = None, torch.zeros(0, 0, dtype=torch.bool)
+            return
+        if self.hf is not None:
+            dev = _layers(self.hf)[0].keys.device
+            self._set([(layer.keys[idx.to(dev)], layer.values[idx.to(dev)]) for layer in _layers(self.hf)],
+                      self.slots)
 
     def attention(self, block_valid: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
         """Additive mask ``[B, 1, W, T + W]`` for a forward of W block slots per row: query j of row b sees that
@@ -167,14 +215,20 @@ class RowCache:
             return
         n = self.valid.sum(1)
         width = int(n.max())
+        T = self.slots
         order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]  # valid slots first
-        new_valid = torch.arange(width)[None, :] < n[:, None]
         for layer in _layers(self.hf):
             idx = order.to(layer.keys.device)[:, None, :, None]
-            layer.keys = torch.gather(layer.keys, 2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
-            layer.values = torch.gather(layer.values, 2,
-                                        idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
-        self.valid = new_valid
+            k = torch.gather(layer.keys[:, :, :T], 2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            v = torch.gather(layer.values[:, :, :T], 2,
+                             idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+            layer.keys[:, :, :width], layer.values[:, :, :width] = k, v
+            layer.filled = width
+        self.valid = torch.arange(width)[None, :] < n[:, None]
+
+
+def _round_up(n: int, to: int = 64) -> int:
+    return max(to, -(-int(n) // to) * to)
 
 
 def check_batchable(arms: list[Arm], policy: Policy) -> None:
@@ -197,22 +251,6 @@ def _layers(cache: DynamicCache) -> list:
 
 def _pad(valid: torch.Tensor, T: int) -> torch.Tensor:
     return torch.cat([valid, torch.zeros(valid.shape[0], T - valid.shape[1], dtype=torch.bool)], dim=1)
-
-
-def _pad_slots(t: torch.Tensor, T: int) -> torch.Tensor:
-    if t.shape[2] == T:
-        return t
-    return torch.cat([t, t.new_zeros(t.shape[0], t.shape[1], T - t.shape[2], t.shape[3])], dim=2)
-
-
-def _batch_cache(cache: DynamicCache, rows: int) -> DynamicCache:
-    """``cache`` (one row) with ``rows`` empty rows of the same slot count put before it (their slots invalid)."""
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is None:
-            continue
-        layer.keys = torch.cat([layer.keys.new_zeros(rows, *layer.keys.shape[1:]), layer.keys])
-        layer.values = torch.cat([layer.values.new_zeros(rows, *layer.values.shape[1:]), layer.values])
-    return cache
 
 
 def probe_batch_size(model, context: int = 128, sizes=(1, 2, 4, 8, 16), gain: float = 1.15, repeats: int = 3,
@@ -328,14 +366,17 @@ class BatchEngine:
     """Continuous batching of speculative rounds over one target (module docstring).
 
     ``make_arms()`` builds one row's arm instances (every row gets its own: model-free arms keep per-sequence
-    state); ``make_policy(K)`` one row's policy over them; ``length``: ``fixed`` or ``cost`` (joint K)."""
+    state); ``make_policy(K)`` one row's policy over them; ``length``: ``fixed``, ``cost`` (joint K),
+    ``schedule:…`` or ``ema:…``; ``curves``: the block-cost curves to learn into (shared across engines)."""
 
     def __init__(self, model, make_arms: Callable[[], list[Arm]], make_policy: Callable[[int], Policy],
                  verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 64,
-                 length: str = "fixed"):
+                 length: str = "fixed", curves: dict[int, CostCurve] | None = None):
         self.length, self.schedule, self.tiers = parse_length(length)
         self.ema_accepted: float | None = None  # accepted drafts per row-round, smoothed (length=ema)
-        self.curves: dict[int, CostCurve] = {}  # batch size -> c_B(W), block widths in W=1-forward units
+        # batch size -> c_B(W), block widths in W=1-forward units; pass one dict to several engines on the same
+        # target and machine (a server's, an evaluation's segments) and what one measured the next reuses
+        self.curves: dict[int, CostCurve] = {} if curves is None else curves
         self.acceptance = Acceptance()
         self.model = model
         self.compact_slack = compact_slack  # compact once the cache holds > 2 × the longest row + this many slots
@@ -344,7 +385,7 @@ class BatchEngine:
         self.verifier = verifier
         self.eos = {int(e) for e in eos_token_ids}
         self.pad_id = int(pad_id)
-        self.cache = RowCache()
+        self.cache = RowCache(model.config)
         self.rows: list[Row] = []
         self.history: list[BatchRound] = []
         self.forwards = 0
@@ -508,16 +549,13 @@ class BatchEngine:
         """One target forward of a ``[B, W]`` block over the batch cache (created by the first one): its logits and
         its seconds, the device synchronised. The caller commits the block's slots it keeps."""
         mask = self.cache.attention(block_valid, self.dtype, self.device)
+        self.cache.reserve(ids.shape[1], self.dtype, self.device)
         t = time.perf_counter()
         with torch.inference_mode():
             out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
-                             past_key_values=self.cache.hf if self.cache.hf is not None else DynamicCache(),
-                             use_cache=True)
+                             past_key_values=self.cache.hf, use_cache=True)
         synchronize(self.device)
-        seconds = time.perf_counter() - t
-        if self.cache.hf is None:
-            self.cache.hf = out.past_key_values
-        return out.logits, seconds
+        return out.logits, time.perf_counter() - t
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, max_batch: int | None = None) -> list[Row]:
         """Decode every prompt, at most ``max_batch`` rows at a time (None = all at once); a finished row's place

@@ -14,7 +14,8 @@ Methods (decode/engine/batch.py; ``--arms`` must be model-free):
   SGLang's ``--speculative-adaptive`` in spirit);
 * ``batch:<policy>+cost``: the adaptive method, one per ``--policies`` spec: every row's own policy over
   ``--arms`` with ``none`` added (a row may stop speculating), the draft length chosen jointly for the batch from
-  the learnt cost of its block, the acceptance statistics shared across rows.
+  the learnt cost of its block (learnt across the run, as a server would: the first segment pays the probe), the
+  acceptance statistics shared across rows.
 
 Our methods batch continuously: B rows in flight, a finished row's place taken by the next prompt before the next
 round. Every request arrives at the start of its segment, so a row's latency includes its wait for a place (and
@@ -143,12 +144,14 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
 
     longest = {m.name: max(build_arm(s, env).L for s in m.arms) for m in methods if m.arms}
 
+    curves = {m.name: {} for m in methods}  # each method's block-cost curves, learnt across its segments
+
     def engine(m: BatchMethod, seed: int) -> BatchEngine:
         seeds = iter(range(seed, seed + 1_000_000))
         return BatchEngine(run, lambda: [build_arm(s, env) for s in m.arms],
                            lambda K: build_policy(m.policy, K, longest[m.name], seed=next(seeds)),
                            Verifier(sampling, cfg.verifier, torch.Generator(device).manual_seed(seed)), eos,
-                           pad_id=pad, length=m.length)
+                           pad_id=pad, length=m.length, curves=curves[m.name])
 
     todo = [(B, si, m.name) for B in cfg.batch for si in range(len(_segments(len(prompts), B))) for m in methods
             if (B, si, m.name) not in done]
