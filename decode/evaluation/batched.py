@@ -13,7 +13,8 @@ Methods (decode/engine/batch.py; ``--arms`` must be model-free):
 * ``batch:<arm>+ema``: the first arm with K from an EMA of accepted lengths over tiers (``--batch-ema``:
   SGLang's ``--speculative-adaptive`` in spirit);
 * ``batch:<policy>+cost``: the adaptive method, one per ``--policies`` spec: every row's own policy over
-  ``--arms`` with ``none`` added (a row may stop speculating), the draft length chosen jointly for the batch from
+  ``--arms`` (no ``none`` needed: the joint length may be 0, and a row in a block W wide drafts for free up to W),
+  the draft length chosen jointly for the batch from
   the learnt cost of its block (learnt across the run, as a server would: the first segment pays the probe), the
   acceptance statistics shared across rows.
 
@@ -79,7 +80,7 @@ def batch_methods(cfg) -> list[BatchMethod]:
         first = drafting[0]
         methods += [BatchMethod(f"batch:{first}+schedule", "schedule", (first,), length=f"schedule:{cfg.batch_schedule}"),
                     BatchMethod(f"batch:{first}+ema", "ema", (first,), length=f"ema:{cfg.batch_ema}")]
-    pool = ("none", *drafting)
+    pool = tuple(cfg.arms)
     for spec in cfg.policies:
         policy = build_policy(spec, len(pool), 1)
         try:
