@@ -98,18 +98,33 @@ def test_row_cache_mask_sees_own_valid_slots_and_causal_block():
     assert seen[1].tolist() == [[False, True, True, True, False], [False, True, True, True, True]]  # pad: finite
 
 
-def test_neural_arms_and_cost_policies_are_refused_clearly(model):
+def test_neural_arms_are_refused_clearly(model):
     env = ArmEnv(model, TinyTokenizer(64), GREEDY)
     with pytest.raises(UserError, match="model-free arms"):
         BatchEngine(model, lambda: [build_arm("pld:L=2", env), _FakeNeural()], lambda K: build_policy("random", K, 4),
-                    Verifier(GREEDY, "torch"))
-    with pytest.raises(UserError, match="cost curve"):
-        BatchEngine(model, lambda: [build_arm("pld:L=2", env)], lambda K: build_policy("router", K, 4),
                     Verifier(GREEDY, "torch"))
 
 
 class _FakeNeural:
     name, label, L, uses_target_hidden = "eagle", "eagle@2", 2, True
+
+
+@pytest.mark.parametrize("spec", ["router:carry=true", "router:cost=true,carry=true", "ucbspec:fullinfo=true,carry=true"])
+def test_full_information_and_cost_policies_learn_per_row_and_stay_lossless(model, spec):
+    """The router batched: each row's arms propose from its prefix before its choice (the features it reads), and
+    the drafts it did not play are scored against what the row emits; one policy object shared by every row (a
+    server's carried policy) learns from all of them."""
+    env = ArmEnv(model, TinyTokenizer(64), GREEDY)
+    shared = build_policy(spec, len(POOL), 4)
+    eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared,
+                      Verifier(GREEDY, "torch"), length="cost" if "cost" in spec else "fixed")
+    rows = eng.generate(PROMPTS, 20, max_batch=4)
+    for p, r in zip(PROMPTS, rows):
+        assert r.tokens == plain_greedy(model, p, 20), p
+        assert r.pending == []  # every counterfactual round resolved by the end
+        assert all(rec.feedback is not None and len(rec.feedback) == len(POOL) for rec in r.rounds)
+    played = sum(len(r.rounds) for r in rows)
+    assert shared.n_obs.sum() == played * len(POOL)  # each round taught every arm, played or not
 
 
 @pytest.mark.slow
@@ -156,7 +171,7 @@ def test_cost_lengths_stay_lossless_and_learn_shared_acceptance(model, max_batch
     rows = eng.generate(PROMPTS, 24, max_batch=max_batch)
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 24), p
-    assert eng.curves and all(c.sizes() for c in eng.curves.values())  # probed, then measured by the rounds
+    assert len(eng.cost.sizes()) > 4  # probed, then measured by the rounds (rows × widths)
     assert set(eng.acceptance.shared) - {0}  # drafting arms' acceptance pooled over the rows
     widths = {h.width for h in eng.history}
     assert len(widths) > 1  # K moved with what was learnt

@@ -146,9 +146,13 @@ def test_a_request_may_name_its_own_arms_in_the_batch(server):
 
 
 def test_what_cannot_batch_is_refused_or_served_one_at_a_time(tiny_target_dir):
+    drafter = f"{SERVE_ARMS};drafter:path={tiny_target_dir},L=2"  # a model of its own: not batched yet
     with pytest.raises(UserError, match="--max-batch 2: .*model-free arms.*--max-batch 1"):
-        RunningServer(["--target", tiny_target_dir, "--arms", SERVE_ARMS, "--max-batch", "2", "--state-file", "none",
-                       "--threads", "1"])  # the default policy is the router, which reads a cost curve
+        RunningServer(["--target", tiny_target_dir, "--arms", drafter, "--max-batch", "2", "--state-file", "none",
+                       "--threads", "1"])
+    with RunningServer(["--target", tiny_target_dir, "--arms", drafter, "--state-file", "none", "--threads",
+                        "1"]) as s:
+        assert "--max-batch auto: 1, one request at a time" in s.log.getvalue()
     for bad in ("0", "many"):
         with pytest.raises(UserError, match="--max-batch must be auto or an integer >= 1"):
             RunningServer(["--target", tiny_target_dir, "--max-batch", bad])
@@ -156,19 +160,27 @@ def test_what_cannot_batch_is_refused_or_served_one_at_a_time(tiny_target_dir):
         RunningServer(["--target", tiny_target_dir, "--batch-length", "sometimes"])
 
 
-def test_auto_measures_the_batch_size_when_the_pool_batches(tiny_target_dir, tiny_server):
+def test_auto_measures_the_batch_size_and_the_router_batches(tiny_target_dir, target):
+    """The default policy (the router, learning from every arm's counterfactual reward) under --max-batch auto."""
     from decode.commands.serve.worker import BatchWorker
 
-    assert "--max-batch auto: 1, one request at a time" in tiny_server.log.getvalue()  # router: not batched
-    with RunningServer(["--target", tiny_target_dir, "--arms", SERVE_ARMS, "--policy", "ucbspec",
-                        "--state-file", "none", "--threads", "1"]) as s:
+    with RunningServer(["--target", tiny_target_dir, "--arms", SERVE_ARMS, "--state-file", "none",
+                        "--threads", "1"]) as s:
         note = re.search(r"--max-batch auto: (\d+) \(one-token forward: 1 rows [0-9]+ ms", s.log.getvalue())
         assert note, s.log.getvalue()
         size = int(note.group(1))
         assert size in (1, 2, 4, 8, 16)
         assert isinstance(s.worker, BatchWorker) == (size > 1)
-        r = client(s).completions.create(model=s.model, prompt="Name a planet.", max_tokens=4, temperature=0)
-        assert r.usage.completion_tokens == 4
+        c = client(s, timeout=120)
+        refs = {p: reference(target, [{"role": "user", "content": p}], 16)[1] for p in PROMPTS[:4]}
+        out = _concurrently(lambda i: c.chat.completions.create(
+            model=s.model, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=16, temperature=0,
+            extra_body={"adaspec": {"return_token_ids": True}}), 4)
+        for i, r in enumerate(out):
+            assert r.model_extra["adaspec"]["token_ids"] == refs[PROMPTS[i]]
+        policy = s.worker.policy
+        assert policy.name == "router" and policy.n_obs.sum() > sum(len(r.model_extra["adaspec"]["arms_played"])
+                                                                     for r in out)  # counterfactual rewards too
 
 
 def test_a_failed_batched_round_answers_its_rows_500_and_the_server_goes_on(server, monkeypatch):

@@ -87,6 +87,31 @@ class CostCurve:
         slope = (merged[hi] - merged[lo]) / (hi - lo)
         return max(merged[lo] + slope * (n - lo), 1.0)
 
+    def seconds_at(self, n: int, context: int) -> float | None:
+        """Median seconds of an ``n``-position forward near ``context`` in absolute terms (what batched rounds use,
+        where n = rows × block width and a one-position forward is never run): measured in the nearest bucket with
+        any measurement, interpolated linearly between the sizes measured there, the last slope continued beyond
+        them, the smallest size's time below them (a smaller forward costs no more), proportional to n when only one
+        size is known. None when nothing is measured."""
+        n, b = int(n), int(context) // self.bucket
+        buckets = sorted({bb for (_, bb), t in self._times.items() if t}, key=lambda bb: (abs(bb - b), bb))
+        if not buckets:
+            return None
+        times = {m: statistics.median(t) for (m, bb), t in self._times.items() if bb == buckets[0] and t}
+        if n in times:
+            return times[n]
+        sizes = sorted(times)
+        if n < sizes[0]:
+            return times[sizes[0]]
+        if len(sizes) == 1:
+            return times[sizes[0]] * n / sizes[0]
+        lo = max(m for m in sizes if m < n)
+        hi = min((m for m in sizes if m > n), default=None)
+        if hi is None:
+            lo, hi = sizes[-2], sizes[-1]
+        slope = (times[hi] - times[lo]) / (hi - lo)
+        return max(times[lo] + slope * (n - lo), times[sizes[0]])
+
     def table(self) -> dict[str, dict[str, float]]:
         """{bucket start: {n: c(n)}} of every measured size, for reports."""
         out: dict[str, dict[str, float]] = {}

@@ -18,10 +18,12 @@ Lossless per row: a row's tokens are what the verifier accepts from that row's o
 that row's visible slots; so its greedy output equals its plain greedy decoding whatever its batch-mates do, up to
 the float rounding of another batch shape (tests/test_batch_engine.py checks it on a float64 target).
 
-Lengths (``length="cost"``, issue 32 §2): the round's cost is its block's, B rows × W positions, learnt online per
-batch size (one :class:`~decode.core.cost.CostCurve` per B: c_B(W) = a W-wide forward over B rows in one-W=1-forward
-units, per context bucket, refined by every round; seeded by one probe when no batch size has been measured yet,
-and a batch size not measured yet borrows the nearest measured one's curve). Each
+Lengths (``length="cost"``, issue 32 §2): the round's cost is its block's, B rows × W positions. One
+:class:`~decode.core.cost.CostCurve` holds t(n), the seconds of a forward scoring n positions in all, per context
+bucket (on these models a forward's cost follows its total positions: linears multiply B·W rows and attention
+scores B·W queries), refined by every round at whatever B it runs, and seeded by one probe before the first
+choice; c_B(W) = t(B·W) / t(B), so a batch size never seen reads what the others measured (a per-B curve would
+need a probe each time a row finishes and B changes). Each
 row's chosen arm has an acceptance estimate α (per position; the pool's statistics are shared across rows, so what
 request N learnt steers request N + 1, and a row's own rounds refine its estimate). Every row drafts
 min(K, its arm's L); K is chosen jointly for the batch to maximise Σ_rows E_r(K) / c_B(1 + K) with
@@ -33,8 +35,14 @@ block's cost rises with W, and speculation backs off by itself; it returns when 
 in spirit: an exponential moving average of the accepted draft length per row-round picks among prebuilt tiers
 of K — the smallest tier above the average, so the draft reaches one token past what is usually accepted).
 
-Not here yet (issue 32, later): neural arms (EAGLE, drafters) drafting batched, ``decode eval --batch`` and a
-batching server. Arms that own a model or a cache are refused with a clear error.
+Policies: any. A policy with full-information feedback (the router) gets it per row: before the row's choice every
+arm of the row proposes from its prefix (the features the router reads), and those drafts are scored against the
+tokens the row goes on to emit (decode/choose/feedback.py), as in the serial engine. A policy that divides by cost
+(``router:cost=true``) reads the batch's block cost. One policy object may serve every row (a server's carried
+policy): it is shown a row's features again right before that row's update.
+
+Not here yet (issue 32, later): neural arms (EAGLE, drafters) drafting batched per arm. Arms that own a model or a
+cache are refused with a clear error.
 """
 from __future__ import annotations
 
@@ -46,6 +54,7 @@ import torch
 from transformers import DynamicCache
 
 from ..choose.arms.base import Arm
+from ..choose.feedback import CounterfactualScorer, PendingRound
 from ..choose.policies.base import Policy
 from ..common.device import synchronize
 from ..common.errors import UserError
@@ -55,7 +64,9 @@ from ..core.target import crop_cache
 from ..core.verify import Verifier
 from .loop import TokenBudget
 
-MODEL_FREE = {"pld", "suffix", "none"}  # arms that draft from the row's own tokens (no model, no cache of their own)
+# arms that draft from the row's own tokens (no model, no cache of their own): a deterministic function of the context
+# (``Arm.free_counterfactual``), so every row holds its own cheap instances and every one of them is scorable
+MODEL_FREE = {"pld", "suffix", "none"}
 LENGTHS = ("fixed", "cost", "schedule:<B range>=<K>,...", "ema:<tier>,...")
 
 
@@ -231,17 +242,14 @@ def _round_up(n: int, to: int = 64) -> int:
     return max(to, -(-int(n) // to) * to)
 
 
-def check_batchable(arms: list[Arm], policy: Policy) -> None:
-    """What batched rounds take today: model-free arms, and a policy that learns from its own rounds."""
+def check_batchable(arms: list[Arm], policy: Policy | None = None) -> None:
+    """What batched rounds take today: model-free arms (every one of them is scorable, so a policy learning from
+    every arm's reward gets it)."""
     for a in arms:
-        if a.name not in MODEL_FREE:
+        if not getattr(a, "free_counterfactual", False):
             raise UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) for now; "
                             f"{a.label} drafts with a model of its own (issue 32: neural arms drafting batched "
                             f"per arm are not built yet)")
-    if getattr(policy, "uses_cost", False) or getattr(policy, "fullinfo", False):
-        raise UserError(f"policy {policy.name}: batched rounds do not yet give a policy the cost curve or "
-                        f"counterfactual feedback; use a bandit that learns from its own rounds (ucbspec, exp3spec, "
-                        f"thompson, fixed)")
 
 
 def _layers(cache: DynamicCache) -> list:
@@ -306,6 +314,10 @@ class Row(TokenBudget):
     stopped_by: str = "length"
     acceptance: dict = field(default_factory=dict)  # arm -> [accepted positions, rejections] of this row
     verifier: Verifier | None = None  # the row's own (its sampling and generator: a server's per-request ones)
+    # full-information feedback (a policy with ``fullinfo``, e.g. the router): the row's scorer and the rounds whose
+    # counterfactual drafts are not resolved yet; None when its policy learns from the played arm only
+    scorer: CounterfactualScorer | None = None
+    pending: list[PendingRound] | None = None
     last: list[int] = field(default_factory=list)  # the tokens its last round committed
     joined: float = 0.0  # perf_counter() when it joined
     finished: float = 0.0
@@ -346,6 +358,12 @@ class Acceptance:
         return (rs + self.prior * mean) / (rs + rf + self.prior)
 
 
+def _see(policy: Policy, features: dict) -> None:
+    see = getattr(policy, "see", None)
+    if see is not None:
+        see(features)
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """1 + α + … + α^k: a chain of k drafts whose positions each survive with probability α, plus the bonus."""
     return float(sum(alpha ** i for i in range(k + 1)))
@@ -367,19 +385,20 @@ class BatchEngine:
 
     ``make_arms()`` builds one row's arm instances (every row gets its own: model-free arms keep per-sequence
     state); ``make_policy(K)`` one row's policy over them; ``length``: ``fixed``, ``cost`` (joint K),
-    ``schedule:…`` or ``ema:…``; ``curves``: the block-cost curves to learn into (shared across engines)."""
+    ``schedule:…`` or ``ema:…``; ``cost``: the forward-cost curve to learn into (shared across engines)."""
 
     def __init__(self, model, make_arms: Callable[[], list[Arm]], make_policy: Callable[[int], Policy],
-                 verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 64,
-                 length: str = "fixed", curves: dict[int, CostCurve] | None = None):
+                 verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 32,
+                 length: str = "fixed", cost: CostCurve | None = None):
         self.length, self.schedule, self.tiers = parse_length(length)
         self.ema_accepted: float | None = None  # accepted drafts per row-round, smoothed (length=ema)
-        # batch size -> c_B(W), block widths in W=1-forward units; pass one dict to several engines on the same
-        # target and machine (a server's, an evaluation's segments) and what one measured the next reuses
-        self.curves: dict[int, CostCurve] = {} if curves is None else curves
+        # t(n): seconds of a forward scoring n positions in all (B rows × W), per context bucket; pass one curve to
+        # several engines on the same target and machine (an evaluation's segments) and what one measured the next
+        # reuses. c_B(W) = t(B·W) / t(B) (:meth:`block_steps`)
+        self.cost = CostCurve() if cost is None else cost
         self.acceptance = Acceptance()
         self.model = model
-        self.compact_slack = compact_slack  # compact once the cache holds > 2 × the longest row + this many slots
+        self.compact_slack = compact_slack  # compact once the cache holds > the longest row + this many slots
         self.make_arms = make_arms
         self.make_policy = make_policy
         self.verifier = verifier
@@ -414,6 +433,10 @@ class BatchEngine:
             raise ValueError(f"policy built for {policy.K} arms, the row has {len(arms)}")
         row = Row(self._next, list(prompt_ids), max_new_tokens, arms, policy, ctx=list(prompt_ids),
                   verifier=verifier or self.verifier, joined=time.perf_counter())
+        if getattr(policy, "fullinfo", False):
+            row.scorer, row.pending = CounterfactualScorer(arms, greedy=row.verifier.cfg.greedy), []
+        if getattr(policy, "uses_cost", False):  # c(n) of this batch: its block cost, at its current size
+            policy.use_cost(self._block_steps, [a.L for a in arms])
         self._next += 1
         row.policy.new_query()
         for a in arms:
@@ -454,13 +477,19 @@ class BatchEngine:
         if not self.rows:
             return []
         t0 = time.perf_counter()
-        picks = [r.policy.select() for r in self.rows]
+        seen: dict[int, tuple] = {}  # row id -> its counterfactual drafts, their times and the features shown
+        picks = []
+        for r in self.rows:
+            if r.pending is not None:  # every scorable arm proposes from the same prefix, the router reads it
+                seen[r.rid] = r.scorer.propose(r.ctx, r.remaining)
+                _see(r.policy, seen[r.rid][2])
+            picks.append(r.policy.select())
         caps = [max(0, min(r.arms[i].L, r.remaining - 1)) for r, i in zip(self.rows, picks)]
         context = max(len(r.ctx) for r in self.rows)
         if self.length == "cost" and max(caps) > 0:
-            curve = self._curve(len(self.rows), max(caps) + 1, context)
+            self._seed_cost(max(caps) + 1, context)
             K = joint_length([self.acceptance.alpha(r, i) for r, i in zip(self.rows, picks)], caps,
-                             lambda n: curve.steps(n, context))
+                             lambda w: self.block_steps(len(self.rows), w, context))
             caps = [min(c, K) for c in caps]
         elif self.length == "schedule":
             caps = [min(c, scheduled_length(self.schedule, len(self.rows))) for c in caps]
@@ -484,10 +513,12 @@ class BatchEngine:
         t1 = time.perf_counter()
         logits, seconds = self._forward(ids, pos, block_valid)
         self.forwards += 1
-        self.curves.setdefault(B, CostCurve()).observe(W, context, seconds)
+        self.cost.observe(B * W, context, seconds)
         keep = torch.zeros(B, W, dtype=torch.bool)
         accepted = []
+        step = self._one_step_seconds(B, context, seconds / W)
         for b, (r, d, i) in enumerate(zip(self.rows, drafts, picks)):
+            remaining = r.remaining
             outcome = r.verifier.verify(logits[b, :lens[b]].float(), d)
             keep[b, :outcome.accepted + 1] = True
             new = outcome.tokens[:r.remaining]
@@ -501,11 +532,27 @@ class BatchEngine:
             r.last = new
             for a in r.arms:
                 a.observe(r.ctx, None)
+            # a row's share of the round: its part of the drafting and of the block's forward; its step the
+            # batch's one-token forward per row (so a throughput reward sees what a token costs at this load)
             rec = RoundRecord(arm=i, drafted=len(d), accepted=min(outcome.accepted, len(new)), new_tokens=len(new),
-                              draft_time=(t1 - t0) / B, verify_time=0.0, tv=outcome.tv,
-                              accept_prob=outcome.accept_prob, max_len=r.arms[i].L)
+                              draft_time=(t1 - t0) / B, verify_time=seconds / B, tv=outcome.tv,
+                              accept_prob=outcome.accept_prob, max_len=r.arms[i].L, step_time=step)
             r.rounds.append(rec)
-            r.policy.update(i, rec)
+            if r.pending is not None:
+                cf_drafts, cf_times, features = seen[r.rid]
+                _see(r.policy, features)  # a policy shared by the rows learns under this row's features
+                r.policy.update(i, rec)
+                r.scorer.observe_live(rec)
+                features.setdefault(i, (len(d), int(getattr(r.arms[i], "last_match", 0))))
+                cf_drafts.pop(i, None)
+                cf_times.pop(i, None)
+                r.pending.append(PendingRound(len(r.rounds) - 1, len(r.tokens) - len(new), remaining, cf_drafts,
+                                              cf_times, features))
+                for pr in r.scorer.resolve(r.pending, r.rounds, r.tokens, finished=r.done):
+                    played = r.rounds[pr.round_index]
+                    r.policy.update_full(played.arm, played.feedback, pr.features)
+            else:
+                r.policy.update(i, rec)
             self.acceptance.observe(r, i, len(d), outcome.accepted)
             if len(d):
                 a_ = float(rec.accepted)
@@ -513,37 +560,49 @@ class BatchEngine:
             accepted.append(rec.accepted)
         self.cache.commit(keep)
         t2 = time.perf_counter()
-        for rec in (r.rounds[-1] for r in self.rows):
-            rec.verify_time = (t2 - t1) / B
         self.history.append(BatchRound([r.rid for r in self.rows], W, [len(d) for d in drafts], accepted,
                                        t1 - t0, t2 - t1))
         finished = self._drop_finished()
         for r in finished:
             r.finished = t2
-        if self.cache.rows and self.cache.slots > 2 * max(self.cache.lengths()) + self.compact_slack:
+        if self.cache.rows and self.cache.slots > max(self.cache.lengths()) + self.compact_slack:
             self.cache.compact()  # padding and rejected drafts have piled up: attend over what is valid only
         return finished
 
-    def _curve(self, B: int, widest: int, context: int) -> CostCurve:
-        """c_B for this batch size. Measured at this B for every width up to ``widest``: its own curve. Else the
-        curve of the nearest batch size measured that far (rows finish one by one, so B changes every few rounds:
-        a probe per B costs more than it saves), and only when no batch size is: a probe at this B, one forward
-        per width over dummy blocks (the rows' last tokens repeated) whose slots are then dropped."""
-        curve = self.curves.setdefault(B, CostCurve())
-        widths = set(range(1, widest + 1))
-        if widths <= curve.sizes():
-            return curve  # the rounds keep it current
-        known = [b for b, c in self.curves.items() if widths <= c.sizes()]
-        if known:
-            return self.curves[min(known, key=lambda b: (abs(b - B), -b))]
+    def block_steps(self, B: int, W: int, context: int) -> float:
+        """c_B(W): a forward of a block W wide over B rows, in forwards of one position per row: t(B·W) / t(B)
+        (W itself while nothing is measured: every position a full forward)."""
+        one = self.cost.seconds_at(B, context)
+        return self.cost.seconds_at(B * W, context) / one if one else float(W)
+
+    def _block_steps(self, n: int) -> float:
+        """c(n) for a policy with ``uses_cost``: a block n wide over the current batch (1.0 while nothing is
+        measured: the policy then ranks by expected tokens alone)."""
+        if not self.cost.samples():
+            return 1.0
+        return self.block_steps(len(self.rows) or 1, n, max((len(r.ctx) for r in self.rows), default=0))
+
+    def _one_step_seconds(self, B: int, context: int, fallback: float) -> float:
+        """Seconds of a one-position forward over this batch, per row: the round's step unit for throughput rewards
+        (``fallback``, per row, while no such forward is measured at this size)."""
+        return (self.cost.seconds_at(B, context) or fallback) / B
+
+    def _seed_cost(self, widest: int, context: int) -> None:
+        """Before the first length choice of a curve that has measured fewer than two sizes: a probe at this batch, one forward
+        per width up to ``widest`` over dummy blocks (the rows' last tokens repeated) whose slots are then dropped.
+        After it the rounds keep the curve current: every forward, at any batch size, is a measurement of t(B·W),
+        so a batch size never seen reads what others measured (rows finish one by one, so B changes every few
+        rounds: a probe per B would cost more than it saves)."""
+        if len(self.cost.sizes()) >= 2:  # a slope to read wider blocks from
+            return
+        B = len(self.rows)
         last = torch.tensor([r.ctx[-1] for r in self.rows], dtype=torch.long)
         for w in range(1, widest + 1):
             block = torch.ones(B, w, dtype=torch.bool)
             pos = torch.tensor([len(r.ctx) - 1 for r in self.rows])[:, None] + torch.arange(w)
             _, seconds = self._forward(last[:, None].expand(B, w), pos, block)
-            curve.observe(w, context, seconds)
+            self.cost.observe(B * w, context, seconds)
             self.cache.commit(torch.zeros(B, w, dtype=torch.bool))  # the probe's slots are never visible again
-        return curve
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, block_valid: torch.Tensor) -> tuple[torch.Tensor, float]:
         """One target forward of a ``[B, W]`` block over the batch cache (created by the first one): its logits and

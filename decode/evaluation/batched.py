@@ -41,10 +41,11 @@ from ..choose.policies import build_policy
 from ..common.errors import UserError
 from ..common.io import JsonlLog, atomic_path, atomic_write_json, read_jsonl_log
 from ..common.specs import parse_spec
+from ..core.cost import CostCurve
 from ..core.models import eos_token_ids, load_model, pad_token_id
 from ..core.sampling import SamplingConfig
 from ..core.verify import Verifier
-from ..engine.batch import MODEL_FREE, BatchEngine, check_batchable
+from ..engine.batch import MODEL_FREE, BatchEngine
 from ..engine.loop import target_run_model
 from .peers import hf_generate_batch
 from .report import rotated
@@ -82,11 +83,7 @@ def batch_methods(cfg) -> list[BatchMethod]:
                     BatchMethod(f"batch:{first}+ema", "ema", (first,), length=f"ema:{cfg.batch_ema}")]
     pool = tuple(cfg.arms)
     for spec in cfg.policies:
-        policy = build_policy(spec, len(pool), 1)
-        try:
-            check_batchable([], policy)
-        except UserError as exc:
-            raise UserError(f"--policies {spec}: {exc}") from None
+        build_policy(spec, len(pool), 1)  # names and parameters checked before any model loads
         methods.append(BatchMethod(f"batch:{spec}+cost", "adaptive", pool, spec, "cost"))
     return methods
 
@@ -145,14 +142,14 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
 
     longest = {m.name: max(build_arm(s, env).L for s in m.arms) for m in methods if m.arms}
 
-    curves = {m.name: {} for m in methods}  # each method's block-cost curves, learnt across its segments
+    costs = {m.name: CostCurve() for m in methods}  # each method's forward-cost curve, learnt across its segments
 
     def engine(m: BatchMethod, seed: int) -> BatchEngine:
         seeds = iter(range(seed, seed + 1_000_000))
         return BatchEngine(run, lambda: [build_arm(s, env) for s in m.arms],
                            lambda K: build_policy(m.policy, K, longest[m.name], seed=next(seeds)),
                            Verifier(sampling, cfg.verifier, torch.Generator(device).manual_seed(seed)), eos,
-                           pad_id=pad, length=m.length, curves=curves[m.name])
+                           pad_id=pad, length=m.length, cost=costs[m.name])
 
     todo = [(B, si, m.name) for B in cfg.batch for si in range(len(_segments(len(prompts), B))) for m in methods
             if (B, si, m.name) not in done]

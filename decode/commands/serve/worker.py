@@ -517,13 +517,14 @@ class BatchWorker(Worker):
             rows = list(self.batch.rows)
             try:
                 finished = {r.rid for r in self.batch.step()}
-            except Exception as exc:  # the batch's state is unknown now: every row in it is answered, the batch emptied
-                for rid, f in list(self.flights.items()):
-                    self._answer_failure(f.job, exc)
-                    if any(r.rid == rid for r in self.batch.rows):
-                        self.batch.remove(rid)
-                    del self.flights[rid]
+            except Exception as exc:  # the batch's state is unknown now: it is emptied, then every row in it answered
+                failed = list(self.flights.values())
+                for r in list(self.batch.rows):
+                    self.batch.remove(r.rid)
+                self.flights.clear()
                 self._set_active()
+                for f in failed:
+                    self._answer_failure(f.job, exc)
                 continue
             self.metrics.batch_round(len(rows), sum(len(r.last) for r in rows), time.perf_counter() - t0)
             for r in rows:
