@@ -25,8 +25,9 @@ scores B·W queries), refined by every round at whatever B it runs, and seeded b
 choice; c_B(W) = t(B·W) / t(B), so a batch size never seen reads what the others measured (a per-B curve would
 need a probe each time a row finishes and B changes). Each
 row's chosen arm has an acceptance estimate α (per position; the pool's statistics are shared across rows, so what
-request N learnt steers request N + 1, and a row's own rounds refine its estimate). Every row drafts
-min(K, its arm's L); K is chosen jointly for the batch to maximise Σ_rows E_r(K) / c_B(1 + K) with
+request N learnt steers request N + 1, and a row's own rounds refine its estimate). Every row drafts up to its
+arm's L first (model-free drafting is cheap), then all drafts are cut to one K chosen jointly for the batch on the
+lengths d_r actually drafted, to maximise Σ_rows E_r(min(K, d_r)) / c_B(1 + K) with
 E(k) = 1 + α + … + α^k (the expected tokens of a chain whose positions each survive with α). As B grows the
 block's cost rises with W, and speculation backs off by itself; it returns when the batch shrinks.
 ``length="fixed"``: every row drafts its arm's L. The schedules production engines use, as baselines:
@@ -59,7 +60,7 @@ from ..choose.policies.base import Policy
 from ..common.device import synchronize
 from ..common.errors import UserError
 from ..core.cost import CostCurve
-from ..core.draft import RoundRecord
+from ..core.draft import Draft, RoundRecord
 from ..core.target import crop_cache
 from ..core.verify import Verifier
 from .loop import TokenBudget
@@ -358,6 +359,12 @@ class Acceptance:
         return (rs + self.prior * mean) / (rs + rf + self.prior)
 
 
+def _prefix(draft: Draft, k: int) -> Draft:
+    """A chain draft's first ``k`` tokens (what the arm proposes with ``max_len = k``, for deterministic arms)."""
+    return Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k],
+                 None if draft.hidden is None else draft.hidden[:k])
+
+
 def _see(policy: Policy, features: dict) -> None:
     see = getattr(policy, "see", None)
     if see is not None:
@@ -486,18 +493,20 @@ class BatchEngine:
             picks.append(r.policy.select())
         caps = [max(0, min(r.arms[i].L, r.remaining - 1)) for r, i in zip(self.rows, picks)]
         context = max(len(r.ctx) for r in self.rows)
-        if self.length == "cost" and max(caps) > 0:
-            self._seed_cost(max(caps) + 1, context)
-            K = joint_length([self.acceptance.alpha(r, i) for r, i in zip(self.rows, picks)], caps,
-                             lambda w: self.block_steps(len(self.rows), w, context))
-            caps = [min(c, K) for c in caps]
-        elif self.length == "schedule":
+        if self.length == "schedule":
             caps = [min(c, scheduled_length(self.schedule, len(self.rows))) for c in caps]
         elif self.length == "ema":
             ema = self.ema_accepted
             K = self.tiers[-1] if ema is None else next((t for t in self.tiers if t > ema), self.tiers[-1])
             caps = [min(c, K) for c in caps]
         drafts = [r.arms[i].propose(r.ctx, c, None) for r, i, c in zip(self.rows, picks, caps)]
+        if self.length == "cost" and any(len(d) for d in drafts):
+            # the rows' drafts are known (model-free drafting is cheap): K is chosen on what each row actually
+            # drafted (a lookup that found no match drafts nothing, however long its L), then every draft is cut to K
+            self._seed_cost(max(caps) + 1, context)
+            K = joint_length([self.acceptance.alpha(r, i) for r, i in zip(self.rows, picks)],
+                             [len(d) for d in drafts], lambda w: self.block_steps(len(self.rows), w, context))
+            drafts = [d if len(d) <= K else _prefix(d, K) for d in drafts]
         lens = [1 + len(d) for d in drafts]
         W = max(lens)
         B = len(self.rows)

@@ -148,7 +148,7 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
         seeds = iter(range(seed, seed + 1_000_000))
         return BatchEngine(run, lambda: [build_arm(s, env) for s in m.arms],
                            lambda K: build_policy(m.policy, K, longest[m.name], seed=next(seeds)),
-                           Verifier(sampling, cfg.verifier, torch.Generator(device).manual_seed(seed)), eos,
+                           Verifier(sampling, cfg.verifier, torch.Generator().manual_seed(seed)), eos,
                            pad_id=pad, length=m.length, cost=costs[m.name])
 
     todo = [(B, si, m.name) for B in cfg.batch for si in range(len(_segments(len(prompts), B))) for m in methods

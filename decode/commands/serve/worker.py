@@ -557,7 +557,7 @@ class BatchWorker(Worker):
                           else build_policy(self.policy_spec, len(arms), max(a.L for a in arms), seed=0))
             for a in arms:
                 a.set_sampling(job.sampling)
-            gen = torch.Generator(self.batch.device).manual_seed(self._seed(job))
+            gen = torch.Generator().manual_seed(self._seed(job))  # the verifier draws its uniforms on the CPU
             verifier = Verifier(job.sampling, self.engine.verifier.backend, gen)
             rid = self.batch.add(job.prompt_ids, job.max_tokens, arms=arms, policy=policy, verifier=verifier)
         except Exception as exc:
