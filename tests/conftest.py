@@ -48,11 +48,11 @@ def tiny_target_dir(tmp_path_factory, smol_path):
 @pytest.fixture(scope="module")
 def tiny_server(tiny_target_dir, tmp_path_factory):
     """`decode serve` on the tiny target with the model-free arms (helpers.SERVE_ARMS), a state file of its own, one
-    thread: one per test module that serves."""
+    thread, one request at a time (tests/test_serve_batch.py serves batched): one per test module that serves."""
     from decode.commands.serve.command import RunningServer
     from helpers import SERVE_ARMS
 
     state = tmp_path_factory.mktemp("serve") / "state.json"
     with RunningServer(["--target", tiny_target_dir, "--arms", SERVE_ARMS, "--state-file", str(state),
-                        "--threads", "1"]) as s:
+                        "--max-batch", "1", "--threads", "1"]) as s:
         yield s

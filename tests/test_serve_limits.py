@@ -252,17 +252,33 @@ class Fatal(BaseException):
     """What no `except Exception` catches: the worker thread dies of it."""
 
 
-def test_a_dead_worker_fails_running_and_queued_requests_at_once_and_health_says_why(tiny_target_dir, monkeypatch):
-    with RunningServer(["--target", tiny_target_dir, "--arms", ARMS, "--state-file", "none", "--threads", "1"]) as s:
+# the worker's promises hold one request at a time and continuously batched (decode/commands/serve/worker.py)
+WORKERS = pytest.mark.parametrize("max_batch", ["1", "4"], ids=["serial", "batched"])
+
+
+def _wrap_round(s, monkeypatch, wrap):
+    """Replace the worker's round (the serial engine's ``step(state)``, the batch's ``step()``) by
+    ``wrap(real)``; the wrapper takes and passes on ``*args``."""
+    owner = getattr(s.worker, "batch", None) or s.worker.engine
+    monkeypatch.setattr(owner, "step", wrap(owner.step))
+
+
+@WORKERS
+def test_a_dead_worker_fails_running_and_queued_requests_at_once_and_health_says_why(tiny_target_dir, monkeypatch,
+                                                                                     max_batch):
+    with RunningServer(["--target", tiny_target_dir, "--arms", ARMS, "--state-file", "none", "--threads", "1",
+                        "--max-batch", max_batch]) as s:
         assert s.cfg.request_timeout == 600  # the wait a dead worker used to cost
         inside, release = threading.Event(), threading.Event()
 
-        def step(state):
-            inside.set()
-            release.wait(30)
-            raise Fatal("the accelerator fell off the bus")
+        def dies(real):
+            def step(*args):
+                inside.set()
+                release.wait(30)
+                raise Fatal("the accelerator fell off the bus")
+            return step
 
-        monkeypatch.setattr(s.worker.engine, "step", step)
+        _wrap_round(s, monkeypatch, dies)
         body = {"model": s.model, "prompt": "Say hi", "max_tokens": 16, "temperature": 0}
         with ThreadPoolExecutor(2) as pool:
             try:
@@ -295,22 +311,25 @@ def _sample(s, outcome: str) -> float:
                                                       {"endpoint": "completions", "outcome": outcome}) or 0.0
 
 
+@WORKERS
 def test_stop_cancels_the_running_request_joins_the_worker_then_saves_what_it_learnt(tiny_target_dir, tmp_path,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch, max_batch):
     from decode.choose.policies.state import policy_state
     state = tmp_path / "state.json"
     with RunningServer(["--target", tiny_target_dir, "--arms", ARMS, "--state-file", str(state),
-                        "--threads", "1"]) as s:
-        real, rounds, started = s.worker.engine.step, [], threading.Event()
+                        "--threads", "1", "--max-batch", max_batch]) as s:
+        rounds, started = [], threading.Event()
 
-        def slow(st):  # a long request: 400 tokens at a pause per round
-            r = real(st)
-            rounds.append(r)
-            started.set()
-            time.sleep(0.05)
-            return r
+        def slowly(real):
+            def slow(*args):  # a long request: 400 tokens at a pause per round
+                r = real(*args)
+                rounds.append(r)
+                started.set()
+                time.sleep(0.05)
+                return r
+            return slow
 
-        monkeypatch.setattr(s.worker.engine, "step", slow)
+        _wrap_round(s, monkeypatch, slowly)
         events = []
 
         def client():
@@ -326,7 +345,7 @@ def test_stop_cancels_the_running_request_joins_the_worker_then_saves_what_it_le
         played = len(rounds)
         assert not s.worker.alive()
         assert _sample(s, "cancelled") == 1 and _sample(s, "ok") == 0  # before the fix: it ran to the end
-        assert sum(len(r.tokens) for r in rounds) < 400
+        assert s.worker.metrics.registry.get_sample_value("adaspec_generation_tokens_total") < 400
         assert saved is True
         t.join(30)
         assert any("shutting down" in e for e in events), events[-3:]
@@ -337,23 +356,26 @@ def test_stop_cancels_the_running_request_joins_the_worker_then_saves_what_it_le
         assert len(rounds) == played  # no round after stop() returned
 
 
-def test_stop_never_saves_while_a_round_is_still_running(tiny_target_dir, tmp_path, monkeypatch):
+@WORKERS
+def test_stop_never_saves_while_a_round_is_still_running(tiny_target_dir, tmp_path, monkeypatch, max_batch):
     """A worker stuck in a round past stop's timeout: stop does not read the policy under it (the file keeps the
     last whole request's state); the worker, once the round ends, cancels, saves what it learnt and exits."""
     state = tmp_path / "state.json"
     with RunningServer(["--target", tiny_target_dir, "--arms", ARMS, "--state-file", str(state),
-                        "--threads", "1"]) as s:
+                        "--threads", "1", "--max-batch", max_batch]) as s:
         assert httpx.post(s.url + "/v1/completions", json=_small(s), timeout=30).status_code == 200
         before = state.read_bytes()
         assert json.loads(before)["requests"] == 1
-        real, inside, release = s.worker.engine.step, threading.Event(), threading.Event()
+        inside, release = threading.Event(), threading.Event()
 
-        def stuck(st):
-            inside.set()
-            release.wait(30)
-            return real(st)
+        def stuck_in(real):
+            def stuck(*args):
+                inside.set()
+                release.wait(30)
+                return real(*args)
+            return stuck
 
-        monkeypatch.setattr(s.worker.engine, "step", stuck)
+        _wrap_round(s, monkeypatch, stuck_in)
         with ThreadPoolExecutor(1) as pool:
             try:
                 fut = pool.submit(httpx.post, s.url + "/v1/completions", json=_small(s, max_tokens=50), timeout=60)

@@ -253,6 +253,17 @@ def check_batchable(arms: list[Arm], policy: Policy | None = None) -> None:
                             f"per arm are not built yet)")
 
 
+def check_batch_arm_specs(specs: list[str]) -> None:
+    """:func:`check_batchable` on arm specs, before any model loads (``decode eval --batch``)."""
+    from ..common.specs import parse_spec
+    for spec in specs:
+        name, _ = parse_spec(spec)
+        if name not in MODEL_FREE:
+            raise UserError(f"--arms {spec}: batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) "
+                            f"for now; {name} drafts with a model of its own (issue 32: neural arms drafting batched "
+                            f"are not built yet). Pass e.g. --arms 'pld:L=4;suffix:L=6'")
+
+
 def _layers(cache: DynamicCache) -> list:
     """The cache's initialised layers (their ``keys``/``values`` are ``[B, heads, T, dim]``)."""
     return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]

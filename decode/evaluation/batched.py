@@ -45,8 +45,9 @@ from ..core.cost import CostCurve
 from ..core.models import eos_token_ids, load_model, pad_token_id
 from ..core.sampling import SamplingConfig
 from ..core.verify import Verifier
-from ..engine.batch import MODEL_FREE, BatchEngine
+from ..engine.batch import BatchEngine, check_batch_arm_specs
 from ..engine.loop import target_run_model
+from .eval_config import check_resume
 from .peers import hf_generate_batch
 from .report import rotated
 
@@ -68,12 +69,7 @@ class BatchMethod:
 def batch_methods(cfg) -> list[BatchMethod]:
     """The methods of a batched evaluation (module docstring); a spec that cannot batch is a UserError naming
     its flag."""
-    for spec in cfg.arms:
-        name, _ = parse_spec(spec)
-        if name not in MODEL_FREE:
-            raise UserError(f"--arms {spec}: decode eval --batch takes model-free arms ({', '.join(sorted(MODEL_FREE))}) "
-                            f"for now; {name} drafts with a model of its own (issue 32: neural arms drafting batched "
-                            f"are not built yet). Pass e.g. --arms 'pld:L=4;suffix:L=6'")
+    check_batch_arm_specs(cfg.arms)
     drafting = [s for s in cfg.arms if parse_spec(s)[0] != "none"]
     methods = [BatchMethod(HF, "hf"), BatchMethod("batch:none", "none", ("none",))]
     methods += [BatchMethod(f"batch:{s}", "fixed", (s,)) for s in drafting]
@@ -110,11 +106,9 @@ def _load(path: Path, fresh: bool, out: str) -> tuple[dict | None, list[dict], i
 def evaluate_batched(cfg, prompts, keys, environment) -> int:
     """Decode every (B, segment, method) not yet in ``cfg.records_path``, then write the report (module
     docstring). ``prompts``/``keys``: the selected suite and its [id, category, digest] keys."""
-    from .evaluate import _check_resume
-
     methods = batch_methods(cfg)
     header, records, good = _load(cfg.records_path, cfg.fresh, cfg.out)
-    _check_resume(cfg, header, records, keys)
+    check_resume(cfg, header, records, keys)
     if header is not None and not records:
         header = None
     names = [m.name for m in methods]

@@ -204,7 +204,8 @@ class EvalConfig:
         return cfg
 
     def check_batched(self) -> None:
-        """What a batched evaluation (--batch) takes; the arms and policies are checked by batch_methods."""
+        """What a batched evaluation (--batch) takes: model-free arms, no peers, length controller, traces or
+        compiling, and valid schedule and EMA tiers."""
         from ..engine.batch import parse_length
         for name, on in (("--peers", bool(self.peers)), ("--length", bool(self.length)),
                          ("--record-traces", bool(self.record_traces)), ("--compile", self.compile)):
@@ -217,8 +218,8 @@ class EvalConfig:
                 parse_length(spec)
             except UserError as exc:
                 raise UserError(f"{flag_name}: {exc}") from None
-        from .batched import batch_methods
-        batch_methods(self)
+        from ..engine.batch import check_batch_arm_specs
+        check_batch_arm_specs(self.arms)
 
     def check_ranges(self) -> None:
         """One-line errors naming the flag and its valid range (NaN/inf included)."""
@@ -304,3 +305,17 @@ def differences(saved: dict, now: dict) -> list[str]:
             else:
                 out.append(f"{flag(k)} (was {saved.get(k, '<unset>')!r}, now {now.get(k, '<unset>')!r})")
     return out
+
+
+def check_resume(cfg: EvalConfig, header: dict | None, records: list[dict], prompt_keys: list) -> None:
+    """A records file decoded under other settings is never mixed with this run's: a clear error naming
+    every differing field and the ways on."""
+    if header is None:
+        return
+    saved = {**EvalConfig.from_dict(header["config"]).results_view(), "prompts": header["prompts"]}
+    now = {**cfg.results_view(), "prompts": prompt_keys}
+    diff = differences(saved, now)
+    if diff and records:
+        raise UserError(f"--out {cfg.out}: {cfg.records_path} holds {len(records)} records decoded with other "
+                        f"settings: {'; '.join(diff)}. Rerun with the earlier settings to resume, pass another "
+                        f"--out, or add --fresh to discard those records")

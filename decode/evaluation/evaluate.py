@@ -30,7 +30,7 @@ from ..choose.arms.none import NoSpecArm
 from ..common.device import DTYPES
 from ..engine.loop import Generation, SpecEngine, build_engine
 from ..common.errors import UserError
-from .eval_config import MAX_SEED, EvalConfig, add_decoding_arguments, differences
+from .eval_config import MAX_SEED, EvalConfig, add_decoding_arguments, check_resume
 from ..common.io import JsonlLog, read_jsonl_log
 from ..choose.length import LengthController, build_length
 from ..core.models import (DEFAULT_TARGET, check_new_tokens, context_overflow, eos_token_ids, load_model,
@@ -215,20 +215,6 @@ def _environment(device: torch.device) -> dict:
     return env
 
 
-def _check_resume(cfg: EvalConfig, header: dict | None, records: list[dict], prompt_keys: list) -> None:
-    """A records file decoded under other settings is never mixed with this run's: a clear error naming
-    every differing field and the ways on."""
-    if header is None:
-        return
-    saved = {**EvalConfig.from_dict(header["config"]).results_view(), "prompts": header["prompts"]}
-    now = {**cfg.results_view(), "prompts": prompt_keys}
-    diff = differences(saved, now)
-    if diff and records:
-        raise UserError(f"--out {cfg.out}: {cfg.records_path} holds {len(records)} records decoded with other "
-                        f"settings: {'; '.join(diff)}. Rerun with the earlier settings to resume, pass another "
-                        f"--out, or add --fresh to discard those records")
-
-
 def run(args) -> int:
     cfg = EvalConfig.from_args(args)
     return evaluate(cfg)
@@ -253,7 +239,7 @@ def evaluate(cfg: EvalConfig) -> int:
         header, records, good_bytes, notes = load_records(cfg.records_path)
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
-        _check_resume(cfg, header, records, keys)
+        check_resume(cfg, header, records, keys)
         if header is not None and not records:  # stopped before its first record: nothing to keep
             header = None
     done = {(r["method"], r["prompt_id"]) for r in records}
