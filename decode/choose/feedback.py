@@ -45,6 +45,13 @@ class PendingRound:
     resolved: dict[int, RoundRecord] = field(default_factory=dict)
 
 
+def show(policy, features: dict[int, tuple[int, int]]) -> None:
+    """Hand a policy that reads per-arm features (``see``: the router) this round's."""
+    see = getattr(policy, "see", None)
+    if see is not None:
+        see(features)
+
+
 def match_length(draft: list[int], emitted: list[int]) -> tuple[int, bool]:
     """(leading tokens of ``draft`` equal to ``emitted``, whether that count is final): final once a
     mismatch is seen or every draft token has been compared."""
@@ -89,6 +96,30 @@ class CounterfactualScorer:
             times[j] = time.perf_counter() - t0
             features[j] = (len(drafts[j]), int(getattr(a, "last_match", 0)))
         return drafts, times, features
+
+    def before_round(self, policy, ctx: list[int], remaining: int) -> tuple[dict, dict, dict]:
+        """Before a live round's choice: every scorable arm proposes from ``ctx`` and a policy that reads
+        features (the router) sees them. Returns what :meth:`after_round` needs: (drafts, times, features)."""
+        proposal = self.propose(ctx, remaining)
+        show(policy, proposal[2])
+        return proposal
+
+    def after_round(self, policy, record: RoundRecord, proposal: tuple[dict, dict, dict], last_match: int,
+                    pending: list[PendingRound], rounds: list[RoundRecord], tokens: list[int], remaining: int,
+                    finished: bool) -> None:
+        """After a live round (``record`` played, already in ``rounds``; its tokens already in ``tokens``;
+        ``remaining`` the budget it began with): learn its verification time, queue its counterfactual drafts,
+        and hand every round that became complete its reward vector (``policy.update_full``)."""
+        drafts, times, features = proposal
+        self.observe_live(record)
+        features.setdefault(record.arm, (record.drafted, int(last_match)))
+        drafts.pop(record.arm, None)
+        times.pop(record.arm, None)
+        pending.append(PendingRound(len(rounds) - 1, len(tokens) - record.new_tokens, remaining, drafts, times,
+                                    features))
+        for p in self.resolve(pending, rounds, tokens, finished=finished):
+            played = rounds[p.round_index]
+            policy.update_full(played.arm, played.feedback, p.features)
 
     def observe_live(self, record: RoundRecord) -> None:
         """Learn the verification time of a live round's draft length (for counterfactual times)."""

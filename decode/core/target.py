@@ -143,7 +143,7 @@ def check_cache_kind(kind: str) -> str:
     return kind
 
 
-def _round_up(n: int, to: int = CACHE_BUCKET) -> int:
+def round_up(n: int, to: int = CACHE_BUCKET) -> int:
     return max(to, -(-n // to) * to)
 
 
@@ -224,7 +224,7 @@ class KVCache:
                                 f"{self.max_cache_len}; raise max_cache_len (or leave it unset) or use cache=dynamic")
             size = self.max_cache_len
         else:
-            size = _round_up(need if capacity is not None else need + CACHE_BUCKET)
+            size = round_up(need if capacity is not None else need + CACHE_BUCKET)
         if self.hf is None or self.capacity < size:
             self.hf, self.capacity = self._allocate(size), size
         self._sync()
@@ -233,7 +233,7 @@ class KVCache:
         if self.max_cache_len is not None:
             raise UserError(f"the context reached {need} tokens but the static KV cache holds max_cache_len="
                             f"{self.max_cache_len}; raise max_cache_len (or leave it unset) or use cache=dynamic")
-        size = max(2 * self.capacity, _round_up(need))
+        size = max(2 * self.capacity, round_up(need))
         old, keep = self.hf, self.length
         new = self._allocate(size)
         for a, b in zip(old.layers, new.layers):

@@ -55,19 +55,20 @@ import torch
 from transformers import DynamicCache
 
 from ..choose.arms.base import Arm
-from ..choose.feedback import CounterfactualScorer, PendingRound
+from ..choose.feedback import CounterfactualScorer, PendingRound, show
 from ..choose.policies.base import Policy
 from ..common.device import synchronize
 from ..common.errors import UserError
 from ..core.cost import CostCurve
 from ..core.draft import Draft, RoundRecord
-from ..core.target import crop_cache
+from ..core.target import crop_cache, round_up
 from ..core.verify import Verifier
 from .loop import TokenBudget
 
 # arms that draft from the row's own tokens (no model, no cache of their own): a deterministic function of the context
 # (``Arm.free_counterfactual``), so every row holds its own cheap instances and every one of them is scorable
 MODEL_FREE = {"pld", "suffix", "none"}
+SLOTS = 64  # the batch cache's capacity grows in multiples of this many slots per row
 LENGTHS = ("fixed", "cost", "schedule:<B range>=<K>,...", "ema:<tier>,...")
 
 
@@ -149,49 +150,44 @@ class RowCache:
         if self.config is None:
             raise ValueError("RowCache(config=...) is needed to hold slots (the model's config sizes the layers)")
         self.hf = allocate_cache(self.config, "prefix", capacity, dtype, device, batch=rows)
-        for layer in self.hf.layers:
-            layer.filled = 0
+
+    def _regrown(self, rows: int, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, zeroed ``[rows, heads, capacity, dim]`` keys/values holding the current rows' filled slots first."""
+        out = []
+        for layer in _layers(self.hf):
+            T = layer.filled
+            k = layer.keys.new_zeros(rows, layer.keys.shape[1], capacity, layer.keys.shape[3])
+            v = torch.zeros_like(k)
+            B = layer.keys.shape[0]
+            k[:B, :, :T], v[:B, :, :T] = layer.keys[:, :, :T], layer.values[:, :, :T]
+            out.append((k, v))
+        return out
 
     def reserve(self, width: int, dtype: torch.dtype, device) -> None:
         """Room for a forward of ``width`` more slots per row (allocated or doubled as needed)."""
         need = self.slots + width
         if self.hf is None:
-            self._allocate(self.rows, _round_up(need), dtype, device)
-            return
-        if need <= self.capacity:
-            return
-        cap = max(2 * self.capacity, _round_up(need))
-        T = self.slots
-        out = []
-        for layer in _layers(self.hf):
-            k = layer.keys.new_zeros(layer.keys.shape[0], layer.keys.shape[1], cap, layer.keys.shape[3])
-            v = torch.zeros_like(k)
-            k[:, :, :T], v[:, :, :T] = layer.keys[:, :, :T], layer.values[:, :, :T]
-            out.append((k, v))
-        self._set(out, T)
+            self._allocate(self.rows, round_up(need, SLOTS), dtype, device)
+        elif need > self.capacity:
+            self._set(self._regrown(self.rows, max(2 * self.capacity, round_up(need, SLOTS))), self.slots)
 
     def add(self, cache: DynamicCache | None, n: int) -> None:
         """Append one row whose (one-row, dynamic) cache holds ``n`` slots, all valid; ``cache`` None for ``n == 0``."""
-        valid = torch.ones(1, n, dtype=torch.bool)
         T = max(self.slots, n)
-        self.valid = torch.cat([_pad(self.valid, T), _pad(valid, T)])
-        if self.hf is None and cache is None:
-            return  # no slot in any row yet: allocated by the first forward
-        new_layers = _layers(cache) if cache is not None else None
+        self.valid = torch.cat([_pad(self.valid, T), _pad(torch.ones(1, n, dtype=torch.bool), T)])
+        if cache is None:
+            if self.hf is not None:  # an empty row: zero slots of its own, all padding
+                self._set(self._regrown(self.rows, self.capacity), T)
+            return  # else no slot in any row yet: allocated by the first forward
+        new = _layers(cache)
         if self.hf is None:  # the first slots: the new row's, with the (empty) rows before it
-            ref = new_layers[0].keys
-            self._allocate(self.rows - 1, _round_up(T), ref.dtype, ref.device)
-        B, cap = self.rows, max(self.capacity, _round_up(T))
-        out = []
-        for k_, layer in enumerate(_layers(self.hf)):
-            k = layer.keys.new_zeros(B, layer.keys.shape[1], cap, layer.keys.shape[3])
-            v = torch.zeros_like(k)
-            old = min(self.slots, layer.filled)
-            k[:B - 1, :, :old], v[:B - 1, :, :old] = layer.keys[:, :, :old], layer.values[:, :, :old]
-            if new_layers is not None:
-                k[B - 1, :, :n], v[B - 1, :, :n] = new_layers[k_].keys[0], new_layers[k_].values[0]
-            out.append((k, v))
-        self._set(out, T)
+            self._allocate(self.rows, round_up(T, SLOTS), new[0].keys.dtype, new[0].keys.device)
+            tensors = [(layer.keys, layer.values) for layer in _layers(self.hf)]
+        else:
+            tensors = self._regrown(self.rows, max(self.capacity, round_up(T, SLOTS)))
+        for (k, v), layer in zip(tensors, new):
+            k[-1, :, :n], v[-1, :, :n] = layer.keys[0], layer.values[0]
+        self._set(tensors, T)
 
     def select(self, keep: list[int]) -> None:
         """Keep the rows ``keep`` (in that order)."""
@@ -239,29 +235,27 @@ class RowCache:
         self.valid = torch.arange(width)[None, :] < n[:, None]
 
 
-def _round_up(n: int, to: int = 64) -> int:
-    return max(to, -(-int(n) // to) * to)
+def _not_model_free(what: str) -> UserError:
+    return UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) for now; {what} drafts "
+                     f"with a model of its own (issue 32: neural arms drafting batched per arm are not built yet)")
 
 
-def check_batchable(arms: list[Arm], policy: Policy | None = None) -> None:
+def check_batchable(arms: list[Arm]) -> None:
     """What batched rounds take today: model-free arms (every one of them is scorable, so a policy learning from
     every arm's reward gets it)."""
     for a in arms:
         if not getattr(a, "free_counterfactual", False):
-            raise UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) for now; "
-                            f"{a.label} drafts with a model of its own (issue 32: neural arms drafting batched "
-                            f"per arm are not built yet)")
+            raise _not_model_free(a.label)
 
 
 def check_batch_arm_specs(specs: list[str]) -> None:
-    """:func:`check_batchable` on arm specs, before any model loads (``decode eval --batch``)."""
+    """:func:`check_batchable` on arm specs, by name, before any model loads (``decode eval --batch``)."""
     from ..common.specs import parse_spec
     for spec in specs:
         name, _ = parse_spec(spec)
         if name not in MODEL_FREE:
-            raise UserError(f"--arms {spec}: batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) "
-                            f"for now; {name} drafts with a model of its own (issue 32: neural arms drafting batched "
-                            f"are not built yet). Pass e.g. --arms 'pld:L=4;suffix:L=6'")
+            exc = _not_model_free(name)
+            raise UserError(f"--arms {spec}: {exc}. Pass e.g. --arms 'pld:L=4;suffix:L=6'")
 
 
 def _layers(cache: DynamicCache) -> list:
@@ -376,12 +370,6 @@ def _prefix(draft: Draft, k: int) -> Draft:
                  None if draft.hidden is None else draft.hidden[:k])
 
 
-def _see(policy: Policy, features: dict) -> None:
-    see = getattr(policy, "see", None)
-    if see is not None:
-        see(features)
-
-
 def expected_tokens(alpha: float, k: int) -> float:
     """1 + α + … + α^k: a chain of k drafts whose positions each survive with probability α, plus the bonus."""
     return float(sum(alpha ** i for i in range(k + 1)))
@@ -425,12 +413,10 @@ class BatchEngine:
         self.cache = RowCache(model.config)
         self.rows: list[Row] = []
         self.history: list[BatchRound] = []
-        self.forwards = 0
         self._next = 0
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        probe_arms = make_arms()
-        check_batchable(probe_arms, make_policy(len(probe_arms)))
+        check_batchable(make_arms())
 
     # ---- rows join and leave ------------------------------------------------------------------------------
 
@@ -446,7 +432,7 @@ class BatchEngine:
             raise UserError("empty prompt: there is nothing to continue")
         arms = self.make_arms() if arms is None else arms
         policy = self.make_policy(len(arms)) if policy is None else policy
-        check_batchable(arms, policy)
+        check_batchable(arms)
         if policy.K != len(arms):
             raise ValueError(f"policy built for {policy.K} arms, the row has {len(arms)}")
         row = Row(self._next, list(prompt_ids), max_new_tokens, arms, policy, ctx=list(prompt_ids),
@@ -499,8 +485,7 @@ class BatchEngine:
         picks = []
         for r in self.rows:
             if r.pending is not None:  # every scorable arm proposes from the same prefix, the router reads it
-                seen[r.rid] = r.scorer.propose(r.ctx, r.remaining)
-                _see(r.policy, seen[r.rid][2])
+                seen[r.rid] = r.scorer.before_round(r.policy, r.ctx, r.remaining)
             picks.append(r.policy.select())
         caps = [max(0, min(r.arms[i].L, r.remaining - 1)) for r, i in zip(self.rows, picks)]
         context = max(len(r.ctx) for r in self.rows)
@@ -532,7 +517,6 @@ class BatchEngine:
             block_valid[b, :lens[b]] = True
         t1 = time.perf_counter()
         logits, seconds = self._forward(ids, pos, block_valid)
-        self.forwards += 1
         self.cost.observe(B * W, context, seconds)
         keep = torch.zeros(B, W, dtype=torch.bool)
         accepted = []
@@ -559,20 +543,11 @@ class BatchEngine:
                               accept_prob=outcome.accept_prob, max_len=r.arms[i].L, step_time=step)
             r.rounds.append(rec)
             if r.pending is not None:
-                cf_drafts, cf_times, features = seen[r.rid]
-                _see(r.policy, features)  # a policy shared by the rows learns under this row's features
-                r.policy.update(i, rec)
-                r.scorer.observe_live(rec)
-                features.setdefault(i, (len(d), int(getattr(r.arms[i], "last_match", 0))))
-                cf_drafts.pop(i, None)
-                cf_times.pop(i, None)
-                r.pending.append(PendingRound(len(r.rounds) - 1, len(r.tokens) - len(new), remaining, cf_drafts,
-                                              cf_times, features))
-                for pr in r.scorer.resolve(r.pending, r.rounds, r.tokens, finished=r.done):
-                    played = r.rounds[pr.round_index]
-                    r.policy.update_full(played.arm, played.feedback, pr.features)
-            else:
-                r.policy.update(i, rec)
+                show(r.policy, seen[r.rid][2])  # a policy shared by the rows learns under this row's features
+            r.policy.update(i, rec)
+            if r.pending is not None:
+                r.scorer.after_round(r.policy, rec, seen[r.rid], getattr(r.arms[i], "last_match", 0), r.pending,
+                                     r.rounds, r.tokens, remaining, finished=r.done)
             self.acceptance.observe(r, i, len(d), outcome.accepted)
             if len(d):
                 a_ = float(rec.accepted)

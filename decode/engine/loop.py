@@ -222,10 +222,7 @@ class SpecEngine:
         t_start = self._clock()
         live_feedback = state.pending is not None and not counterfactual
         if live_feedback:  # every scorable arm proposes from this prefix (a router reads the features first)
-            cf_drafts, cf_times, features = self.scorer.propose(state.ctx, state.remaining)
-            see = getattr(state.policy, "see", None)
-            if see is not None:
-                see(features)
+            proposal = self.scorer.before_round(state.policy, state.ctx, state.remaining)
         t_sel = self._clock()
         i = state.policy.select() if arm is None else int(arm)
         a = self.arms[i]
@@ -281,13 +278,8 @@ class SpecEngine:
         state.length.update(depth, outcome, arm=i)
         state.length.observe_round(rec)
         if live_feedback:
-            self.scorer.observe_live(rec)
-            features.setdefault(i, (len(draft), int(getattr(a, "last_match", 0))))
-            cf_drafts.pop(i, None)
-            cf_times.pop(i, None)
-            state.pending.append(PendingRound(len(state.rounds) - 1, len(state.tokens) - len(new), remaining,
-                                              cf_drafts, cf_times, features))
-            self._deliver(state)
+            self.scorer.after_round(state.policy, rec, proposal, getattr(a, "last_match", 0), state.pending,
+                                    state.rounds, state.tokens, remaining, finished=state.done)
         t5 = self._clock()
         times.update, times.total = t5 - t4, t5 - t_start
         self.round_overhead += 0.05 * (times.total - (t1 - t0) - (t4 - t1) - self.round_overhead)  # EMA, ~20 rounds
@@ -304,13 +296,6 @@ class SpecEngine:
             state.length.observe_target(hidden.final[-1])
         for a in self.arms:
             a.observe(state.ctx, hidden if a.uses_target_hidden else None)
-
-    def _deliver(self, state: DecodeState) -> None:
-        """Resolve counterfactual drafts against the tokens emitted so far and hand every completed
-        round's reward vector to the policy (decode/choose/feedback.py)."""
-        for p in self.scorer.resolve(state.pending, state.rounds, state.tokens, finished=state.done):
-            rec = state.rounds[p.round_index]
-            state.policy.update_full(rec.arm, rec.feedback, p.features)
 
     def finish(self, state: DecodeState) -> Generation:
         """The query's Generation; wall_time runs from begin() to now."""
