@@ -77,15 +77,9 @@ class CostCurve:
         for bb in reversed(buckets):  # nearer buckets overwrite farther ones
             merged.update(self._ratios(bb))
         merged[1] = 1.0
-        sizes = sorted(merged)
-        if len(sizes) == 1:
+        if len(merged) == 1:
             return float(n)
-        lo = max((s for s in sizes if s < n), default=sizes[0])
-        hi = min((s for s in sizes if s > n), default=None)
-        if hi is None:  # beyond the largest measured size: continue the last slope
-            lo, hi = sizes[-2], sizes[-1]
-        slope = (merged[hi] - merged[lo]) / (hi - lo)
-        return max(merged[lo] + slope * (n - lo), 1.0)
+        return _interpolate(merged, n, floor=1.0)
 
     def seconds_at(self, n: int, context: int) -> float | None:
         """Median seconds of an ``n``-position forward near ``context`` in absolute terms (what batched rounds use,
@@ -100,17 +94,12 @@ class CostCurve:
         times = {m: statistics.median(t) for (m, bb), t in self._times.items() if bb == buckets[0] and t}
         if n in times:
             return times[n]
-        sizes = sorted(times)
-        if n < sizes[0]:
-            return times[sizes[0]]
-        if len(sizes) == 1:
-            return times[sizes[0]] * n / sizes[0]
-        lo = max(m for m in sizes if m < n)
-        hi = min((m for m in sizes if m > n), default=None)
-        if hi is None:
-            lo, hi = sizes[-2], sizes[-1]
-        slope = (times[hi] - times[lo]) / (hi - lo)
-        return max(times[lo] + slope * (n - lo), times[sizes[0]])
+        smallest = min(times)
+        if n < smallest:
+            return times[smallest]
+        if len(times) == 1:
+            return times[smallest] * n / smallest
+        return _interpolate(times, n, floor=times[smallest])
 
     def table(self) -> dict[str, dict[str, float]]:
         """{bucket start: {n: c(n)}} of every measured size, for reports."""
@@ -169,6 +158,18 @@ def markdown_curve(summary: dict) -> str:
         cells = [f"{row[str(n)]:.2f}" if str(n) in row else "—" for n in sizes]
         rows.append(f"| {b}–{int(b) + w - 1} | {summary['one_token_ms'][b]:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _interpolate(values: dict[int, float], n: int, floor: float) -> float:
+    """``values`` (≥ 2 sizes) at ``n``: linear between the measured sizes around it, the last slope continued beyond
+    the largest, never below ``floor``."""
+    sizes = sorted(values)
+    lo = max((s for s in sizes if s < n), default=sizes[0])
+    hi = min((s for s in sizes if s > n), default=None)
+    if hi is None:  # beyond the largest measured size: continue the last slope
+        lo, hi = sizes[-2], sizes[-1]
+    slope = (values[hi] - values[lo]) / (hi - lo)
+    return max(values[lo] + slope * (n - lo), floor)
 
 
 def probe(curve: CostCurve, target, prompt_ids: list[int], sizes, repeats: int = 3, clock=None) -> None:
