@@ -377,9 +377,14 @@ class Worker:
             eng = SpecEngine(base.target, [base.arms[i] for i in job.arms], base.verifier, base.eos,
                              step_time=base.step_time)
             self._subsets[job.arms] = eng
-        if len(job.arms) == 1:
-            return eng, Fixed(1, eng.max_len), "fixed"
-        return eng, build_policy(self.policy_spec, len(job.arms), eng.max_len, seed=0), self.policy_spec
+        return (eng, *self._subset_policy(len(job.arms), eng.max_len))
+
+    def _subset_policy(self, n: int, max_len: int):
+        """(policy, its spec) for a request naming its own ``n`` arms: that arm fixed, or a fresh policy of the
+        server's spec over them (their rounds do not teach the pool's policy)."""
+        if n == 1:
+            return Fixed(1, max_len), "fixed"
+        return build_policy(self.policy_spec, n, max_len, seed=0), self.policy_spec
 
     def _decode(self, job: Job) -> None:
         engine, policy, spec = self._engine_for(job)
@@ -552,9 +557,7 @@ class BatchWorker(Worker):
             else:
                 arms = [arms[i] for i in job.arms]
                 labels, learns = [a.label for a in arms], False
-                spec = "fixed" if len(arms) == 1 else self.policy_spec
-                policy = (Fixed(1, arms[0].L) if len(arms) == 1
-                          else build_policy(self.policy_spec, len(arms), max(a.L for a in arms), seed=0))
+                policy, spec = self._subset_policy(len(arms), max(a.L for a in arms))
             for a in arms:
                 a.set_sampling(job.sampling)
             gen = torch.Generator().manual_seed(self._seed(job))  # the verifier draws its uniforms on the CPU
