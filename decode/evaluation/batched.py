@@ -39,7 +39,8 @@ from tqdm.auto import tqdm
 from ..choose.arms import ArmEnv, build_arm
 from ..choose.policies import build_policy
 from ..common.errors import UserError
-from ..common.io import JsonlLog, atomic_path, atomic_write_json, read_jsonl_log
+from ..common.device import DTYPES
+from ..common.io import JsonlLog, atomic_path, atomic_write_json, atomic_write_text
 from ..common.specs import parse_spec
 from ..core.cost import CostCurve
 from ..core.models import eos_token_ids, load_model, pad_token_id
@@ -49,7 +50,8 @@ from ..engine.batch import BatchEngine, check_batch_arm_specs
 from ..engine.loop import target_run_model
 from .eval_config import check_resume
 from .peers import hf_generate_batch
-from .report import rotated
+from .report import load_records, rotated
+from .suites import encode_prompt
 
 FORMAT = "adaspec-batch-eval-records/1"
 SCHEMA = "adaspec-batch-eval-report/1"
@@ -89,25 +91,22 @@ def _segments(n: int, B: int) -> list[list[int]]:
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
-def _load(path: Path, fresh: bool, out: str) -> tuple[dict | None, list[dict], int]:
-    if fresh or not path.exists():
-        return None, [], 0
-    rows, good, note = read_jsonl_log(path, "--out")
-    if note:
-        print(f"note: {note}", file=sys.stderr)
-    if not rows:
-        return None, [], 0
-    if not isinstance(rows[0], dict) or rows[0].get("format") != FORMAT:
-        raise UserError(f"--out {out}: {path} is not a records file of `decode eval --batch` (first line lacks format "
-                        f"{FORMAT}); pass another --out, or add --fresh to discard it")
-    return rows[0], rows[1:], good
+def _record_key(r: dict) -> tuple:
+    """What makes a record of a batched evaluation unique: a reference's prompt, a run's (B, segment, method)."""
+    return ("reference", r.get("prompt_id")) if r.get("kind") == "reference" else (r.get("B"), r.get("segment"),
+                                                                                    r.get("method"))
 
 
 def evaluate_batched(cfg, prompts, keys, environment) -> int:
     """Decode every (B, segment, method) not yet in ``cfg.records_path``, then write the report (module
     docstring). ``prompts``/``keys``: the selected suite and its [id, category, digest] keys."""
     methods = batch_methods(cfg)
-    header, records, good = _load(cfg.records_path, cfg.fresh, cfg.out)
+    header, records, good = None, [], 0
+    if not cfg.fresh:  # --fresh: whatever is there is discarded unread
+        header, records, good, notes = load_records(cfg.records_path, fmt=FORMAT, key=_record_key,
+                                                    tool="decode eval --batch")
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr)
     check_resume(cfg, header, records, keys)
     if header is not None and not records:
         header = None
@@ -117,11 +116,9 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
                         f"run has {names}; pass another --out, or add --fresh to discard those records")
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     device = torch.device(cfg.device)
-    from ..common.device import DTYPES
     torch.manual_seed(cfg.seed)
     model, tok = load_model(cfg.target, dtype=DTYPES[cfg.dtype], device=device,
                             trust_remote_code=cfg.trust_remote_code)
-    from .suites import encode_prompt
     encoded = [encode_prompt(tok, p.text) for p in prompts]
     eos = eos_token_ids(model, tok)
     pad = pad_token_id(tok, eos)
@@ -199,7 +196,6 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
         with atomic_path(path) as tmp:
             fig.savefig(tmp, format="png", metadata={"Software": None})
         text += f"\n![goodput against batch size]({path.name})\n"
-    from ..common.io import atomic_write_text
     atomic_write_text(cfg.table_path, text)
     print(table)
     print(f"\nreport: {out}  (table: {cfg.table_path}; records: {cfg.records_path})")

@@ -32,9 +32,16 @@ SCHEMA = "adaspec-eval-report/2"  # report.json's fields, documented in docs/rep
 
 # ---- the records file -----------------------------------------------------------------------------------------
 
-def load_records(path: str | os.PathLike, where: str = "--out") -> tuple[dict | None, list[dict], int, list[str]]:
-    """``(header, records, good_bytes, notes)`` of a records file; header None when the file is missing or
-    holds no complete first line (nothing to resume). ``good_bytes`` ends before a torn last line."""
+def record_key(r: dict) -> tuple:
+    """What makes a ``decode eval`` record unique: its method on its prompt."""
+    return r.get("method"), r.get("prompt_id")
+
+
+def load_records(path: str | os.PathLike, where: str = "--out", fmt: str = FORMAT, key=record_key,
+                 tool: str = "decode eval") -> tuple[dict | None, list[dict], int, list[str]]:
+    """``(header, records, good_bytes, notes)`` of a records file written by ``tool`` (its first line's ``format``
+    is ``fmt``); header None when the file is missing or holds no complete first line (nothing to resume).
+    ``good_bytes`` ends before a torn last line; a second record with the same ``key`` is ignored (and noted)."""
     path = Path(path)
     if not path.exists():
         return None, [], 0, []
@@ -43,16 +50,16 @@ def load_records(path: str | os.PathLike, where: str = "--out") -> tuple[dict | 
     if not rows:
         return None, [], 0, notes
     header, records = rows[0], rows[1:]
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise UserError(f"{where}: {path} is not a records file written by `decode eval` (first line lacks "
-                        f"format {FORMAT}); move it away or pass another --out")
+    if not isinstance(header, dict) or header.get("format") != fmt:
+        raise UserError(f"{where}: {path} is not a records file written by `{tool}` (first line lacks "
+                        f"format {fmt}); move it away or pass another --out")
     seen, unique = set(), []
     for r in records:
-        key = (r.get("method"), r.get("prompt_id"))
-        if key in seen:
-            notes.append(f"{path}: a second record of {key[0]} on prompt {key[1]} is ignored")
+        k = key(r)
+        if k in seen:
+            notes.append(f"{path}: a second record of {' on '.join(map(str, k))} is ignored")
             continue
-        seen.add(key)
+        seen.add(k)
         unique.append(r)
     return header, unique, good, notes
 
