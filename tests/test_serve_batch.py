@@ -145,6 +145,43 @@ def test_a_request_may_name_its_own_arms_in_the_batch(server):
     assert server.worker.requests_learnt == before
 
 
+def test_eagle_heads_batch_and_stay_lossless_and_seeded(tiny_target_dir, target, tmp_path):
+    """A pool with an EAGLE head (the shipped pool's kind) batches: the rows that play it draft in one head forward
+    per position; greedy rows equal HF generate, and a seeded sampled row (its EAGLE drafts sampled from its own
+    generator) draws the same tokens alone and among batch-mates — with fixed lengths: a joint length (``cost``)
+    depends on the batch, and another draft length consumes other random numbers (the same distribution)."""
+    from decode.choose.heads import EagleHead, save_head
+    from decode.commands.serve.worker import BatchWorker
+
+    model, _ = target
+    save_head(EagleHead(model, init="last_layer"), tmp_path / "eagle")
+    arms = f"eagle:path={tmp_path / 'eagle'},L=2;pld:L=4"
+    with RunningServer(["--target", tiny_target_dir, "--arms", arms, "--policy", "random", "--max-batch", "4",
+                        "--batch-length", "fixed", "--state-file", "none", "--threads", "1"]) as s:
+        assert isinstance(s.worker, BatchWorker)
+        refs = {p: reference(target, [{"role": "user", "content": p}], 20)[1] for p in PROMPTS[:4]}
+        c = client(s, timeout=120)
+
+        def greedy(i):
+            p = PROMPTS[i % 4]
+            r = c.chat.completions.create(model=s.model, messages=[{"role": "user", "content": p}], max_tokens=20,
+                                          temperature=0, extra_body={"adaspec": {"return_token_ids": True}})
+            return p, r.model_extra["adaspec"]
+
+        out = _concurrently(greedy, 6)
+        for p, info in out:
+            assert info["token_ids"] == refs[p], p
+        assert any("eagle@2" in info["arms_played"] for _, info in out)
+        assert max(info["batch_size_mean"] for _, info in out) > 1
+        kw = dict(model=s.model, prompt="Write a poem about the sea", max_tokens=16, temperature=0.9, seed=7,
+                  extra_body={"adaspec": {"return_token_ids": True}})
+        alone = c.completions.create(**kw).model_extra["adaspec"]["token_ids"]
+        got = _concurrently(lambda i: c.completions.create(**kw).model_extra["adaspec"]["token_ids"] if i == 0 else
+                            c.completions.create(model=s.model, prompt=PROMPTS[i], max_tokens=16, temperature=0.7,
+                                                 seed=i).usage.completion_tokens, 3)
+        assert got[0] == alone
+
+
 def test_what_cannot_batch_is_refused_or_served_one_at_a_time(tiny_target_dir):
     drafter = f"{SERVE_ARMS};drafter:path={tiny_target_dir},L=2"  # a model of its own: not batched yet
     with pytest.raises(UserError, match="--max-batch 2: .*model-free arms.*--max-batch 1"):

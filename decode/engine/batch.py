@@ -6,13 +6,11 @@ A round: every row's policy picks an arm, the arm drafts up to ``min(L, remainin
 the target scores the ``[B, W]`` block with per-row position ids and a per-row additive mask, the verifier accepts
 per row, and each row commits its tokens, rolls its cache back and updates its own policy.
 
-Cache (:class:`RowCache`): one HF ``DynamicCache`` ``[B, heads, T, dim]`` for all rows and a validity mask
-``[B, T]``. A forward appends W slots to every row (its block, padded); afterwards a row keeps the slots of its
-last token and its accepted drafts and marks the rest invalid — rollback is a per-row mask, not a crop. Keys were
-rotated at their row's *logical* positions, so where a slot sits does not matter: attention is over the visible
-set, and :meth:`RowCache.compact` gathers each row's valid slots to the front when padding and rejected drafts pile
-up. Rows join between rounds (their prompt is prefilled alone and padded into the batch) and leave
-(``batch_select_indices``): continuous batching.
+Cache (:class:`~decode.core.row_cache.RowCache`): one pre-allocated KV cache ``[B, heads, T, dim]`` for all rows
+and a validity mask ``[B, T]``. A forward appends W slots to every row (its block, padded); afterwards a row keeps
+the slots of its last token and its accepted drafts and marks the rest invalid — rollback is a per-row mask, not
+a crop. Rows join between rounds (their prompt is prefilled alone and padded into the batch) and leave:
+continuous batching.
 
 Lossless per row: a row's tokens are what the verifier accepts from that row's own logits, which depend only on
 that row's visible slots; so its greedy output equals its plain greedy decoding whatever its batch-mates do, up to
@@ -42,8 +40,11 @@ tokens the row goes on to emit (decode/choose/feedback.py), as in the serial eng
 (``router:cost=true``) reads the batch's block cost. One policy object may serve every row (a server's carried
 policy): it is shown a row's features again right before that row's update.
 
-Not here yet (issue 32, later): neural arms (EAGLE, drafters) drafting batched per arm. Arms that own a model or a
-cache are refused with a clear error.
+Arms: model-free ones (``MODEL_FREE``) draft per row from the row's own instances; EAGLE chains draft batched per
+head (decode/choose/arms/eagle/batched.py: one :class:`EagleBatch` per head keeps every row's head cache in its
+own RowCache; every row that plays the head drafts in one head forward per draft position, from the target's
+features this engine's forwards return). Arms that draft serially only (EAGLE trees and sampled chains, drafter
+models, early-exit arms) are refused with a clear error (:func:`check_batchable`).
 """
 from __future__ import annotations
 
@@ -55,20 +56,21 @@ import torch
 from transformers import DynamicCache
 
 from ..choose.arms.base import Arm
+from ..choose.arms.eagle.batched import EagleBatch, drafts_batched
 from ..choose.feedback import CounterfactualScorer, PendingRound, show
 from ..choose.policies.base import Policy
 from ..common.device import synchronize
 from ..common.errors import UserError
 from ..core.cost import CostCurve
 from ..core.draft import Draft, RoundRecord
-from ..core.target import crop_cache, round_up
+from ..core.row_cache import RowCache
+from ..core.target import crop_cache
 from ..core.verify import Verifier
 from .loop import TokenBudget
 
 # arms that draft from the row's own tokens (no model, no cache of their own): a deterministic function of the context
 # (``Arm.free_counterfactual``), so every row holds its own cheap instances and every one of them is scorable
 MODEL_FREE = {"pld", "suffix", "none"}
-SLOTS = 64  # the batch cache's capacity grows in multiples of this many slots per row
 LENGTHS = ("fixed", "cost", "schedule:<B range>=<K>,...", "ema:<tier>,...")
 
 
@@ -108,163 +110,34 @@ def scheduled_length(schedule: list[tuple[int, int | None, int]], B: int) -> int
     return 0
 
 
-# --------------------------------------------------------------------------- the cache
-
-class RowCache:
-    """One KV cache for B rows with per-row valid slots (see the module docstring).
-
-    The slots live in a pre-allocated HF cache of :class:`~decode.core.target.PrefixLayer` layers (``[B, heads,
-    capacity, dim]``): a forward writes its W block slots in place after the ``slots`` filled ones and attends over
-    the filled prefix, so a round copies nothing of the cache (an HF ``DynamicCache`` concatenates every layer's
-    whole cache every forward: at 8 rows × 300 tokens that was ~10% of a round here). Capacity grows by doubling
-    (:meth:`reserve`); rows joining and leaving, and compaction, copy the cache once each."""
-
-    def __init__(self, config=None):
-        self.config = config  # the model's (allocation before any row has a slot of its own)
-        self.hf = None  # an HF StaticCache of PrefixLayers, [B, heads, capacity, dim] per layer; None = no slot yet
-        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, T], on the CPU (masks are built there)
-
-    @property
-    def rows(self) -> int:
-        return self.valid.shape[0]
-
-    @property
-    def slots(self) -> int:
-        return self.valid.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        return _layers(self.hf)[0].keys.shape[2] if self.hf is not None else 0
-
-    def lengths(self) -> list[int]:
-        return self.valid.sum(1).tolist()
-
-    def _set(self, tensors: list[tuple[torch.Tensor, torch.Tensor]], filled: int) -> None:
-        """Install per-layer ``[B, heads, capacity, dim]`` keys/values with ``filled`` slots in use."""
-        for layer, (k, v) in zip(_layers(self.hf), tensors):
-            layer.keys, layer.values = k, v
-            layer.max_cache_len, layer.filled = k.shape[2], filled
-
-    def _allocate(self, rows: int, capacity: int, dtype: torch.dtype, device) -> None:
-        from ..core.target import allocate_cache
-        if self.config is None:
-            raise ValueError("RowCache(config=...) is needed to hold slots (the model's config sizes the layers)")
-        self.hf = allocate_cache(self.config, "prefix", capacity, dtype, device, batch=rows)
-
-    def _regrown(self, rows: int, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, zeroed ``[rows, heads, capacity, dim]`` keys/values holding the current rows' filled slots first."""
-        out = []
-        for layer in _layers(self.hf):
-            T = layer.filled
-            k = layer.keys.new_zeros(rows, layer.keys.shape[1], capacity, layer.keys.shape[3])
-            v = torch.zeros_like(k)
-            B = layer.keys.shape[0]
-            k[:B, :, :T], v[:B, :, :T] = layer.keys[:, :, :T], layer.values[:, :, :T]
-            out.append((k, v))
-        return out
-
-    def reserve(self, width: int, dtype: torch.dtype, device) -> None:
-        """Room for a forward of ``width`` more slots per row (allocated or doubled as needed)."""
-        need = self.slots + width
-        if self.hf is None:
-            self._allocate(self.rows, round_up(need, SLOTS), dtype, device)
-        elif need > self.capacity:
-            self._set(self._regrown(self.rows, max(2 * self.capacity, round_up(need, SLOTS))), self.slots)
-
-    def add(self, cache: DynamicCache | None, n: int) -> None:
-        """Append one row whose (one-row, dynamic) cache holds ``n`` slots, all valid; ``cache`` None for ``n == 0``."""
-        T = max(self.slots, n)
-        self.valid = torch.cat([_pad(self.valid, T), _pad(torch.ones(1, n, dtype=torch.bool), T)])
-        if cache is None:
-            if self.hf is not None:  # an empty row: zero slots of its own, all padding
-                self._set(self._regrown(self.rows, self.capacity), T)
-            return  # else no slot in any row yet: allocated by the first forward
-        new = _layers(cache)
-        if self.hf is None:  # the first slots: the new row's, with the (empty) rows before it
-            self._allocate(self.rows, round_up(T, SLOTS), new[0].keys.dtype, new[0].keys.device)
-            tensors = [(layer.keys, layer.values) for layer in _layers(self.hf)]
-        else:
-            tensors = self._regrown(self.rows, max(self.capacity, round_up(T, SLOTS)))
-        for (k, v), layer in zip(tensors, new):
-            k[-1, :, :n], v[-1, :, :n] = layer.keys[0], layer.values[0]
-        self._set(tensors, T)
-
-    def select(self, keep: list[int]) -> None:
-        """Keep the rows ``keep`` (in that order)."""
-        idx = torch.tensor(keep, dtype=torch.long)
-        self.valid = self.valid[idx]
-        if not keep:
-            self.hf, self.valid = None, torch.zeros(0, 0, dtype=torch.bool)
-            return
-        if self.hf is not None:
-            dev = _layers(self.hf)[0].keys.device
-            self._set([(layer.keys[idx.to(dev)], layer.values[idx.to(dev)]) for layer in _layers(self.hf)],
-                      self.slots)
-
-    def attention(self, block_valid: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-        """Additive mask ``[B, 1, W, T + W]`` for a forward of W block slots per row: query j of row b sees that
-        row's valid cached slots and the real block slots k <= j (and itself, so a padding query is finite)."""
-        B, W = block_valid.shape
-        T = self.slots
-        causal = torch.tril(torch.ones(W, W, dtype=torch.bool))
-        block = causal[None] & block_valid[:, None, :]
-        block |= torch.eye(W, dtype=torch.bool)[None]
-        visible = torch.cat([self.valid[:, None, :].expand(B, W, T), block], dim=2)
-        mask = torch.zeros(B, W, T + W, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        return mask[:, None].to(device)
-
-    def commit(self, keep_block: torch.Tensor) -> None:
-        """After a forward of W block slots: row b keeps the block slots ``keep_block[b]`` ([B, W] bool)."""
-        self.valid = torch.cat([self.valid, keep_block], dim=1)
-
-    def compact(self) -> None:
-        """Gather each row's valid slots to the front ([B, max valid]); order within a row is kept."""
-        if self.hf is None or not self.rows:
-            return
-        n = self.valid.sum(1)
-        width = int(n.max())
-        T = self.slots
-        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]  # valid slots first
-        for layer in _layers(self.hf):
-            idx = order.to(layer.keys.device)[:, None, :, None]
-            k = torch.gather(layer.keys[:, :, :T], 2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
-            v = torch.gather(layer.values[:, :, :T], 2,
-                             idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
-            layer.keys[:, :, :width], layer.values[:, :, :width] = k, v
-            layer.filled = width
-        self.valid = torch.arange(width)[None, :] < n[:, None]
-
-
-def _not_model_free(what: str) -> UserError:
-    return UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) for now; {what} drafts "
-                     f"with a model of its own (issue 32: neural arms drafting batched per arm are not built yet)")
+def _not_batchable(what: str) -> UserError:
+    return UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) and EAGLE chains (eagle "
+                     f"without tree=, K= or counterfactual=true); {what} drafts serially only (EAGLE trees, sampled "
+                     f"chains, drafter models and early-exit arms draft batched in a later issue)")
 
 
 def check_batchable(arms: list[Arm]) -> None:
-    """What batched rounds take today: model-free arms (every one of them is scorable, so a policy learning from
-    every arm's reward gets it)."""
+    """What batched rounds take: model-free arms (each row holds its own cheap instances, every one scorable, so a
+    policy learning from every arm's reward gets it) and EAGLE chains (one head forward per draft position for
+    all rows: decode/choose/arms/eagle/batched.py)."""
     for a in arms:
-        if not getattr(a, "free_counterfactual", False):
-            raise _not_model_free(a.label)
+        if not (getattr(a, "free_counterfactual", False) or drafts_batched(a)):
+            raise _not_batchable(a.label)
 
 
 def check_batch_arm_specs(specs: list[str]) -> None:
-    """:func:`check_batchable` on arm specs, by name, before any model loads (``decode eval --batch``)."""
+    """:func:`check_batchable` on arm specs, before any model loads (``decode eval --batch``)."""
+    from ..choose.arms.base import ARMS
     from ..common.specs import parse_spec
     for spec in specs:
-        name, _ = parse_spec(spec)
-        if name not in MODEL_FREE:
-            exc = _not_model_free(name)
-            raise UserError(f"--arms {spec}: {exc}. Pass e.g. --arms 'pld:L=4;suffix:L=6'")
-
-
-def _layers(cache: DynamicCache) -> list:
-    """The cache's initialised layers (their ``keys``/``values`` are ``[B, heads, T, dim]``)."""
-    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
-
-
-def _pad(valid: torch.Tensor, T: int) -> torch.Tensor:
-    return torch.cat([valid, torch.zeros(valid.shape[0], T - valid.shape[1], dtype=torch.bool)], dim=1)
+        name, params = parse_spec(spec)
+        if name in MODEL_FREE:
+            continue
+        if name == "eagle":
+            typed = ARMS.check(name, spec, 1, params)
+            if typed.get("tree", "chain") == "chain" and typed.get("K", 1) == 1 and not typed.get("counterfactual"):
+                continue
+        raise UserError(f"--arms {spec}: {_not_batchable(name)}. Pass e.g. --arms 'pld:L=4;suffix:L=6'")
 
 
 def probe_batch_size(model, context: int = 128, sizes=(1, 2, 4, 8, 16), gain: float = 1.15, repeats: int = 3,
@@ -325,6 +198,7 @@ class Row(TokenBudget):
     scorer: CounterfactualScorer | None = None
     pending: list[PendingRound] | None = None
     last: list[int] = field(default_factory=list)  # the tokens its last round committed
+    drafters: dict[int, EagleBatch] = field(default_factory=dict)  # arm index -> the batch drafter drafting it
     joined: float = 0.0  # perf_counter() when it joined
     finished: float = 0.0
 
@@ -412,6 +286,7 @@ class BatchEngine:
         self.pad_id = int(pad_id)
         self.cache = RowCache(model.config)
         self.rows: list[Row] = []
+        self.drafters: dict[int, EagleBatch] = {}  # id(head) -> the head's drafting for every row (EAGLE chains)
         self.history: list[BatchRound] = []
         self._next = 0
         p = next(model.parameters())
@@ -443,35 +318,55 @@ class BatchEngine:
             policy.use_cost(self._block_steps, [a.L for a in arms])
         self._next += 1
         row.policy.new_query()
-        for a in arms:
-            a.reset(row.prompt)
+        for i, a in enumerate(arms):
+            if drafts_batched(a):
+                row.drafters[i] = self._drafter(a.head)
+            else:
+                a.reset(row.prompt)
         n = len(prompt_ids) - 1  # the cache holds every token but the last (fed by the first round)
-        cache = None
+        cache = hidden = None
         if n:
             cache = DynamicCache()
             ids = torch.tensor([prompt_ids[:-1]], dtype=torch.long, device=self.device)
             with torch.inference_mode():
-                self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                                 output_hidden_states=bool(row.drafters))
+            hidden = out.hidden_states
+        uses = set(map(id, row.drafters.values()))
+        for d in self.drafters.values():  # every drafter keeps a row for every row, in order
+            mine = id(d) in uses
+            d.add_row(row.prompt if mine else None, d.features(hidden)[0] if mine and hidden is not None else None)
         self.cache.add(cache, n)
         self.rows.append(row)
         return row.rid
+
+    def _drafter(self, head) -> EagleBatch:
+        """The batch drafter of ``head`` (made on first use, with an empty row for each row already here)."""
+        if id(head) not in self.drafters:
+            self.drafters[id(head)] = EagleBatch(head, rows=len(self.rows), compact_slack=self.compact_slack)
+        return self.drafters[id(head)]
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep the rows at ``keep`` (in that order), in the cache and every drafter."""
+        self.cache.select(keep)
+        for d in self.drafters.values():
+            d.select(keep)
+        self.rows = [self.rows[i] for i in keep]
 
     def remove(self, rid: int) -> Row:
         """Drop the row ``rid`` now, between rounds (a cancelled request); its slots leave the cache."""
         at = next((i for i, r in enumerate(self.rows) if r.rid == rid), None)
         if at is None:
             raise KeyError(f"no row {rid} in the batch")
-        row = self.rows.pop(at)
-        self.cache.select([i for i in range(len(self.rows) + 1) if i != at])
+        row = self.rows[at]
+        self._select([i for i in range(len(self.rows)) if i != at])
         row.finished = time.perf_counter()
         return row
 
     def _drop_finished(self) -> list[Row]:
         done = [r for r in self.rows if r.done]
         if done:
-            keep = [i for i, r in enumerate(self.rows) if not r.done]
-            self.cache.select(keep)
-            self.rows = [self.rows[i] for i in keep]
+            self._select([i for i, r in enumerate(self.rows) if not r.done])
         return done
 
     # ---- one round ------------------------------------------------------------------------------------------
@@ -495,7 +390,7 @@ class BatchEngine:
             ema = self.ema_accepted
             K = self.tiers[-1] if ema is None else next((t for t in self.tiers if t > ema), self.tiers[-1])
             caps = [min(c, K) for c in caps]
-        drafts = [r.arms[i].propose(r.ctx, c, None) for r, i, c in zip(self.rows, picks, caps)]
+        drafts = self._propose(picks, caps)
         if self.length == "cost" and any(len(d) for d in drafts):
             # the rows' drafts are known (model-free drafting is cheap): K is chosen on what each row actually
             # drafted (a lookup that found no match drafts nothing, however long its L), then every draft is cut to K
@@ -516,7 +411,8 @@ class BatchEngine:
             pos[b] = len(r.ctx) - 1 + torch.arange(W)
             block_valid[b, :lens[b]] = True
         t1 = time.perf_counter()
-        logits, seconds = self._forward(ids, pos, block_valid)
+        logits, seconds, hidden = self._forward(ids, pos, block_valid,
+                                                hidden=any(r.drafters for r in self.rows))
         self.cost.observe(B * W, context, seconds)
         keep = torch.zeros(B, W, dtype=torch.bool)
         accepted = []
@@ -534,8 +430,12 @@ class BatchEngine:
             r.ctx.extend(new)
             r.tokens.extend(new)
             r.last = new
-            for a in r.arms:
-                a.observe(r.ctx, None)
+            for j, a in enumerate(r.arms):
+                if j in r.drafters:  # the target's features at the positions that produced the new tokens
+                    drafter = r.drafters[j]
+                    drafter.observe(b, drafter.features(hidden)[b, :len(new)], new)
+                else:
+                    a.observe(r.ctx, None)
             # a row's share of the round: its part of the drafting and of the block's forward; its step the
             # batch's one-token forward per row (so a throughput reward sees what a token costs at this load)
             rec = RoundRecord(arm=i, drafted=len(d), accepted=min(outcome.accepted, len(new)), new_tokens=len(new),
@@ -560,8 +460,7 @@ class BatchEngine:
         finished = self._drop_finished()
         for r in finished:
             r.finished = t2
-        if self.cache.rows and self.cache.slots > max(self.cache.lengths()) + self.compact_slack:
-            self.cache.compact()  # padding and rejected drafts have piled up: attend over what is valid only
+        self.cache.tidy(self.compact_slack)  # padding and rejected drafts piled up: attend over what is valid only
         return finished
 
     def block_steps(self, B: int, W: int, context: int) -> float:
@@ -595,21 +494,38 @@ class BatchEngine:
         for w in range(1, widest + 1):
             block = torch.ones(B, w, dtype=torch.bool)
             pos = torch.tensor([len(r.ctx) - 1 for r in self.rows])[:, None] + torch.arange(w)
-            _, seconds = self._forward(last[:, None].expand(B, w), pos, block)
+            _, seconds, _ = self._forward(last[:, None].expand(B, w), pos, block)
             self.cost.observe(B * w, context, seconds)
             self.cache.commit(torch.zeros(B, w, dtype=torch.bool))  # the probe's slots are never visible again
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, block_valid: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """One target forward of a ``[B, W]`` block over the batch cache (created by the first one): its logits and
-        its seconds, the device synchronised. The caller commits the block's slots it keeps."""
-        mask = self.cache.attention(block_valid, self.dtype, self.device)
-        self.cache.reserve(ids.shape[1], self.dtype, self.device)
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, block_valid: torch.Tensor,
+                 hidden: bool = False) -> tuple[torch.Tensor, float, tuple | None]:
+        """One target forward of a ``[B, W]`` block over the batch cache (created by the first one): its logits,
+        its seconds (the device synchronised) and, with ``hidden``, its HF ``hidden_states`` (what the EAGLE
+        drafters read). The caller commits the block's slots it keeps."""
+        mask = self.cache.block(block_valid, self.dtype, self.device)
         t = time.perf_counter()
         with torch.inference_mode():
             out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
-                             past_key_values=self.cache.hf, use_cache=True)
+                             past_key_values=self.cache.hf, use_cache=True, output_hidden_states=hidden)
         synchronize(self.device)
-        return out.logits, time.perf_counter() - t
+        return out.logits, time.perf_counter() - t, out.hidden_states if hidden else None
+
+    def _propose(self, picks: list[int], caps: list[int]) -> list[Draft]:
+        """Every row's draft from its chosen arm: model-free arms per row, EAGLE chains batched per head."""
+        drafts: list[Draft | None] = [None] * len(self.rows)
+        groups: dict[int, list[int]] = {}  # id(drafter) -> rows drafting with it
+        for b, (r, i, c) in enumerate(zip(self.rows, picks, caps)):
+            if i in r.drafters:
+                groups.setdefault(id(r.drafters[i]), []).append(b)
+            else:
+                drafts[b] = r.arms[i].propose(r.ctx, c, None)
+        for rows in groups.values():
+            d = self.rows[rows[0]].drafters[picks[rows[0]]]
+            out = d.propose(rows, [caps[b] for b in rows], [self.rows[b].arms[picks[b]] for b in rows])
+            for b, draft in zip(rows, out):
+                drafts[b] = draft
+        return drafts
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, max_batch: int | None = None) -> list[Row]:
         """Decode every prompt, at most ``max_batch`` rows at a time (None = all at once); a finished row's place

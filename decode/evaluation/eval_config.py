@@ -204,7 +204,7 @@ class EvalConfig:
         return cfg
 
     def check_batched(self) -> None:
-        """What a batched evaluation (--batch) takes: model-free arms, no peers, length controller, traces or
+        """What a batched evaluation (--batch) takes: arms that batch (model-free, EAGLE chains), no peers, length controller, traces or
         compiling, and valid schedule and EMA tiers."""
         from ..engine.batch import parse_length
         for name, on in (("--peers", bool(self.peers)), ("--length", bool(self.length)),

@@ -33,6 +33,19 @@ class ArmEnv:
     trust_remote_code: bool = False
     target: "Target | None" = None  # the verifier wrapper (self-drafting arms read its model/hidden states)
     cache: str = "dynamic"  # KV cache kind of the arms that own one (drafter, early_exit, eagle): dynamic | static
+    # heads loaded through this env, by folder: the arms of one head share its module (a batched engine builds
+    # one arm instance per row, and drafts the rows of one head together)
+    heads: dict = field(default_factory=dict)
+
+    def head(self, path: str, expect: str):
+        """The head in folder ``path``, loaded once per env."""
+        from pathlib import Path
+
+        from ..heads import load_head
+        key = (str(Path(path).resolve()), expect)
+        if key not in self.heads:
+            self.heads[key] = load_head(path, self.target_model, expect=expect)
+        return self.heads[key]
 
 
 class Arm:

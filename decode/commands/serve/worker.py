@@ -484,9 +484,10 @@ class BatchWorker(Worker):
     per round for all of them (decode/engine/batch.py). Between rounds the worker admits waiting requests into
     free places (each is prefilled as it joins), drops rows whose client left, whose deadline passed or whose
     text reached a stop sequence, and answers the rows that ended. Every row has its own arm instances (model-free
-    arms keep per-sequence state), its own verifier (the request's sampling, a generator seeded by the request's
-    seed, so its tokens do not depend on its batch-mates) and either the server's carried policy or a fresh one
-    (a request naming its own arm subset, or a policy without carry=true)."""
+    arms keep per-sequence state; EAGLE arms share their head, drafted batched), its own verifier (the request's
+    sampling, a generator seeded by the request's seed that its sampled drafts draw from too, so with its own draft
+    lengths its tokens do not depend on its batch-mates; a joint length does) and either the server's carried
+    policy or a fresh one (a request naming its own arm subset, or a policy without carry=true)."""
 
     def __init__(self, engine: SpecEngine, batch: BatchEngine, make_arms, tokenizer, generator: torch.Generator,
                  policy_spec: str, *, max_batch: int, **kw):
@@ -558,9 +559,11 @@ class BatchWorker(Worker):
                 arms = [arms[i] for i in job.arms]
                 labels, learns = [a.label for a in arms], False
                 policy, spec = self._subset_policy(len(arms), max(a.L for a in arms))
+            gen = torch.Generator().manual_seed(self._seed(job))  # the verifier draws its uniforms on the CPU
             for a in arms:
                 a.set_sampling(job.sampling)
-            gen = torch.Generator().manual_seed(self._seed(job))  # the verifier draws its uniforms on the CPU
+                if hasattr(a, "generator"):  # an arm that samples its drafts (EAGLE) draws from the row's own too
+                    a.generator = gen
             verifier = Verifier(job.sampling, self.engine.verifier.backend, gen)
             rid = self.batch.add(job.prompt_ids, job.max_tokens, arms=arms, policy=policy, verifier=verifier)
         except Exception as exc:

@@ -57,7 +57,7 @@ class EagleArm(Arm):
         self.sampling = sampling
         self.generator = generator
         self._label = label
-        self.device = next(head.parameters()).device
+        self.device, self.dtype = next(head.parameters()).device, next(head.parameters()).dtype
         self.target_forwards = 0  # target forwards this arm ran itself (the engine counts them in MAT)
         self.cache = KVCache.for_model(self.head, cache, config=self.head.model.config)
         self.reset([])
@@ -146,7 +146,8 @@ class EagleArm(Arm):
     def _step(self, feats: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
         x = torch.tensor([next_tokens], device=self.device)
         pos = self.cache.positions(len(next_tokens))
-        pred = self.head(feats.unsqueeze(0), x, past_key_values=self.cache.hf, use_cache=True, position_ids=pos)
+        # the true features are kept in float32; the head runs in its own dtype (bfloat16 on a GPU, float64 in tests)
+        pred = self.head(feats.unsqueeze(0).to(self.dtype), x, past_key_values=self.cache.hf, use_cache=True, position_ids=pos)
         self.cache.advance(len(next_tokens))
         return pred[0, -1]
 

@@ -1,0 +1,167 @@
+"""A KV cache for B rows with per-row valid slots: what batched rounds run the target on (decode/engine/batch.py), and
+what an arm that drafts batched runs its own model on (decode/choose/arms/eagle/batched.py).
+
+A forward appends W slots to every row (its block, padded); afterwards a row keeps the slots it needs and marks the
+rest invalid — rollback is a per-row mask, not a crop. Keys were rotated at their row's *logical* positions, so
+where a slot sits does not matter: attention is over the visible set, and :meth:`RowCache.compact` gathers each
+row's valid slots to the front when padding and rejected drafts pile up. Rows join (prefilled alone, padded into
+the batch: :meth:`RowCache.add`) and leave (:meth:`RowCache.select`) between forwards."""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from .target import allocate_cache, round_up
+
+SLOTS = 64  # the capacity grows in multiples of this many slots per row
+
+class RowCache:
+    """One KV cache for B rows with per-row valid slots (see the module docstring).
+
+    The slots live in a pre-allocated HF cache of :class:`~decode.core.target.PrefixLayer` layers (``[B, heads,
+    capacity, dim]``): a forward writes its W block slots in place after the ``slots`` filled ones and attends over
+    the filled prefix, so a round copies nothing of the cache (an HF ``DynamicCache`` concatenates every layer's
+    whole cache every forward: at 8 rows × 300 tokens that was ~10% of a round here). Capacity grows by doubling
+    (:meth:`reserve`); rows joining and leaving, and compaction, copy the cache once each."""
+
+    def __init__(self, config=None):
+        self.config = config  # the model's (allocation before any row has a slot of its own)
+        self.hf = None  # an HF StaticCache of PrefixLayers, [B, heads, capacity, dim] per layer; None = no slot yet
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, T], on the CPU (masks are built there)
+
+    @property
+    def rows(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return _layers(self.hf)[0].keys.shape[2] if self.hf is not None else 0
+
+    def lengths(self) -> list[int]:
+        return self.valid.sum(1).tolist()
+
+    def _set(self, tensors: list[tuple[torch.Tensor, torch.Tensor]], filled: int) -> None:
+        """Install per-layer ``[B, heads, capacity, dim]`` keys/values with ``filled`` slots in use."""
+        for layer, (k, v) in zip(_layers(self.hf), tensors):
+            layer.keys, layer.values = k, v
+            layer.max_cache_len, layer.filled = k.shape[2], filled
+
+    def _allocate(self, rows: int, capacity: int, dtype: torch.dtype, device) -> None:
+        if self.config is None:
+            raise ValueError("RowCache(config=...) is needed to hold slots (the model's config sizes the layers)")
+        self.hf = allocate_cache(self.config, "prefix", capacity, dtype, device, batch=rows)
+
+    def _regrown(self, rows: int, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, zeroed ``[rows, heads, capacity, dim]`` keys/values holding the current rows' filled slots first."""
+        out = []
+        for layer in _layers(self.hf):
+            T = layer.filled
+            k = layer.keys.new_zeros(rows, layer.keys.shape[1], capacity, layer.keys.shape[3])
+            v = torch.zeros_like(k)
+            B = layer.keys.shape[0]
+            k[:B, :, :T], v[:B, :, :T] = layer.keys[:, :, :T], layer.values[:, :, :T]
+            out.append((k, v))
+        return out
+
+    def reserve(self, width: int, dtype: torch.dtype, device) -> None:
+        """Room for a forward of ``width`` more slots per row (allocated or doubled as needed)."""
+        need = self.slots + width
+        if self.hf is None:
+            self._allocate(self.rows, round_up(need, SLOTS), dtype, device)
+        elif need > self.capacity:
+            self._set(self._regrown(self.rows, max(2 * self.capacity, round_up(need, SLOTS))), self.slots)
+
+    def add(self, cache: DynamicCache | None, n: int) -> None:
+        """Append one row whose (one-row, dynamic) cache holds ``n`` slots, all valid; ``cache`` None for ``n == 0``."""
+        T = max(self.slots, n)
+        self.valid = torch.cat([_pad(self.valid, T), _pad(torch.ones(1, n, dtype=torch.bool), T)])
+        if cache is None:
+            if self.hf is not None:  # an empty row: zero slots of its own, all padding
+                self._set(self._regrown(self.rows, self.capacity), T)
+            return  # else no slot in any row yet: allocated by the first forward
+        new = _layers(cache)
+        if self.hf is None:  # the first slots: the new row's, with the (empty) rows before it
+            self._allocate(self.rows, round_up(T, SLOTS), new[0].keys.dtype, new[0].keys.device)
+            tensors = [(layer.keys, layer.values) for layer in _layers(self.hf)]
+        else:
+            tensors = self._regrown(self.rows, max(self.capacity, round_up(T, SLOTS)))
+        for (k, v), layer in zip(tensors, new):
+            k[-1, :, :n], v[-1, :, :n] = layer.keys[0], layer.values[0]
+        self._set(tensors, T)
+
+    def select(self, keep: list[int]) -> None:
+        """Keep the rows ``keep`` (in that order)."""
+        idx = torch.tensor(keep, dtype=torch.long)
+        self.valid = self.valid[idx]
+        if not keep:
+            self.hf, self.valid = None, torch.zeros(0, 0, dtype=torch.bool)
+            return
+        if self.hf is not None:
+            dev = _layers(self.hf)[0].keys.device
+            self._set([(layer.keys[idx.to(dev)], layer.values[idx.to(dev)]) for layer in _layers(self.hf)],
+                      self.slots)
+
+    def attention(self, block_valid: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+        """Additive mask ``[B, 1, W, T + W]`` for a forward of W block slots per row: query j of row b sees that
+        row's valid cached slots and the real block slots k <= j (and itself, so a padding query is finite)."""
+        B, W = block_valid.shape
+        T = self.slots
+        causal = torch.tril(torch.ones(W, W, dtype=torch.bool))
+        block = causal[None] & block_valid[:, None, :]
+        block |= torch.eye(W, dtype=torch.bool)[None]
+        visible = torch.cat([self.valid[:, None, :].expand(B, W, T), block], dim=2)
+        mask = torch.zeros(B, W, T + W, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        return mask[:, None].to(device)
+
+    def block(self, block_valid: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+        """Before a forward of ``block_valid.shape[1]`` slots per row: room for them, and the additive mask it takes
+        (pass ``hf`` as the forward's ``past_key_values``; :meth:`commit` after it)."""
+        mask = self.attention(block_valid, dtype, device)
+        self.reserve(block_valid.shape[1], dtype, device)
+        return mask
+
+    def commit(self, keep_block: torch.Tensor) -> None:
+        """After a forward of W block slots: row b keeps the block slots ``keep_block[b]`` ([B, W] bool)."""
+        self.valid = torch.cat([self.valid, keep_block], dim=1)
+
+    def forget(self, start: int) -> None:
+        """Every row's slots from ``start`` on become invisible (a drafter's speculative steps, once its draft is out)."""
+        self.valid[:, start:] = False
+
+    def tidy(self, slack: int) -> bool:
+        """:meth:`compact` once the cache holds more than the longest row + ``slack`` slots (padding and rejected
+        drafts piled up); whether it did."""
+        if self.rows and self.slots > max(self.lengths()) + slack:
+            self.compact()
+            return True
+        return False
+
+    def compact(self) -> None:
+        """Gather each row's valid slots to the front ([B, max valid]); order within a row is kept."""
+        if self.hf is None or not self.rows:
+            return
+        n = self.valid.sum(1)
+        width = int(n.max())
+        T = self.slots
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]  # valid slots first
+        for layer in _layers(self.hf):
+            idx = order.to(layer.keys.device)[:, None, :, None]
+            k = torch.gather(layer.keys[:, :, :T], 2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            v = torch.gather(layer.values[:, :, :T], 2,
+                             idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+            layer.keys[:, :, :width], layer.values[:, :, :width] = k, v
+            layer.filled = width
+        self.valid = torch.arange(width)[None, :] < n[:, None]
+
+
+def _layers(cache: DynamicCache) -> list:
+    """The cache's initialised layers (their ``keys``/``values`` are ``[B, heads, T, dim]``)."""
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+
+
+def _pad(valid: torch.Tensor, T: int) -> torch.Tensor:
+    return torch.cat([valid, torch.zeros(valid.shape[0], T - valid.shape[1], dtype=torch.bool)], dim=1)
