@@ -219,7 +219,8 @@ def pack_arm_linears(arms, stock_model: torch.nn.Module) -> int:
                 if id(module) in stock or id(module) in seen:
                     continue
                 seen.add(id(module))
-                if isinstance(getattr(module, "draft_weight", None), torch.Tensor):  # an EAGLE draft-vocab head
+                if (isinstance(getattr(module, "draft_weight", None), torch.Tensor)  # an EAGLE draft-vocab head
+                        and getattr(module, "draft_weight_packed", None) is None):
                     module.draft_weight_packed = pack_weight(module.draft_weight)
                 packed += _pack_children(module)
     return packed

@@ -63,6 +63,7 @@ from ..common.device import synchronize
 from ..common.errors import UserError
 from ..core.cost import CostCurve
 from ..core.draft import Draft, RoundRecord
+from ..core.linear import PackedLinear, pack_arm_linears
 from ..core.row_cache import RowCache
 from ..core.target import crop_cache
 from ..core.verify import Verifier
@@ -291,6 +292,7 @@ class BatchEngine:
         self._next = 0
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.packed = any(isinstance(m, PackedLinear) for m in model.modules())  # the target runs oneDNN linears
         check_batchable(make_arms())
 
     # ---- rows join and leave ------------------------------------------------------------------------------
@@ -320,7 +322,7 @@ class BatchEngine:
         row.policy.new_query()
         for i, a in enumerate(arms):
             if drafts_batched(a):
-                row.drafters[i] = self._drafter(a.head)
+                row.drafters[i] = self._drafter(a)
             else:
                 a.reset(row.prompt)
         n = len(prompt_ids) - 1  # the cache holds every token but the last (fed by the first round)
@@ -340,9 +342,13 @@ class BatchEngine:
         self.rows.append(row)
         return row.rid
 
-    def _drafter(self, head) -> EagleBatch:
-        """The batch drafter of ``head`` (made on first use, with an empty row for each row already here)."""
+    def _drafter(self, arm) -> EagleBatch:
+        """The batch drafter of ``arm``'s head (made on first use, with an empty row for each row already here).
+        When the target runs oneDNN-packed linears the head's are packed too, as the serial engine does."""
+        head = arm.head
         if id(head) not in self.drafters:
+            if self.packed:
+                pack_arm_linears([arm], arm.target_model)  # the head's own modules; the stock target's never
             self.drafters[id(head)] = EagleBatch(head, rows=len(self.rows), compact_slack=self.compact_slack)
         return self.drafters[id(head)]
 
