@@ -183,7 +183,7 @@ def test_eagle_heads_batch_and_stay_lossless_and_seeded(tiny_target_dir, target,
 
 
 def test_what_cannot_batch_is_refused_or_served_one_at_a_time(tiny_target_dir):
-    drafter = f"{SERVE_ARMS};drafter:path={tiny_target_dir},L=2"  # a model of its own: not batched yet
+    drafter = f"{SERVE_ARMS};drafter:path={tiny_target_dir},L=2,K=2"  # K sampled chains: serial only
     with pytest.raises(UserError, match="--max-batch 2: .*model-free arms.*--max-batch 1"):
         RunningServer(["--target", tiny_target_dir, "--arms", drafter, "--max-batch", "2", "--state-file", "none",
                        "--threads", "1"])

@@ -40,11 +40,11 @@ tokens the row goes on to emit (decode/choose/feedback.py), as in the serial eng
 (``router:cost=true``) reads the batch's block cost. One policy object may serve every row (a server's carried
 policy): it is shown a row's features again right before that row's update.
 
-Arms: model-free ones (``MODEL_FREE``) draft per row from the row's own instances; EAGLE chains draft batched per
-head (decode/choose/arms/eagle/batched.py: one :class:`EagleBatch` per head keeps every row's head cache in its
-own RowCache; every row that plays the head drafts in one head forward per draft position, from the target's
-features this engine's forwards return). Arms that draft serially only (EAGLE trees and sampled chains, drafter
-models, early-exit arms) are refused with a clear error (:func:`check_batchable`).
+Arms: model-free ones (``MODEL_FREE``) draft per row from the row's own instances; EAGLE chains and drafter models
+draft batched per module (decode/choose/arms/batched.py: one :class:`BatchDrafter` per head or drafter LM keeps
+every row's cache of it in its own RowCache; every row that plays it drafts in one forward per draft position;
+an EAGLE head reads the target's features, which this engine's forwards then return). Arms that draft serially
+only (EAGLE trees, K sampled chains, early-exit arms) are refused with a clear error (:func:`check_batchable`).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ import torch
 from transformers import DynamicCache
 
 from ..choose.arms.base import Arm
-from ..choose.arms.eagle.batched import EagleBatch, drafts_batched
+from ..choose.arms.batched import BatchDrafter, drafts_batched
 from ..choose.feedback import CounterfactualScorer, PendingRound, show
 from ..choose.policies.base import Policy
 from ..common.device import synchronize
@@ -112,15 +112,15 @@ def scheduled_length(schedule: list[tuple[int, int | None, int]], B: int) -> int
 
 
 def _not_batchable(what: str) -> UserError:
-    return UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) and EAGLE chains (eagle "
-                     f"without tree=, K= or counterfactual=true); {what} drafts serially only (EAGLE trees, sampled "
-                     f"chains, drafter models and early-exit arms draft batched in a later issue)")
+    return UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) and chains of EAGLE "
+                     f"heads and drafter models (eagle without tree=, K= or counterfactual=true; drafter without K=); "
+                     f"{what} drafts serially only (EAGLE trees, K sampled chains and early-exit arms do)")
 
 
 def check_batchable(arms: list[Arm]) -> None:
     """What batched rounds take: model-free arms (each row holds its own cheap instances, every one scorable, so a
-    policy learning from every arm's reward gets it) and EAGLE chains (one head forward per draft position for
-    all rows: decode/choose/arms/eagle/batched.py)."""
+    policy learning from every arm's reward gets it) and arms with a ``batch_key`` (EAGLE and drafter chains: one
+    forward per draft position for all rows, decode/choose/arms/batched.py)."""
     for a in arms:
         if not (getattr(a, "free_counterfactual", False) or drafts_batched(a)):
             raise _not_batchable(a.label)
@@ -134,7 +134,7 @@ def check_batch_arm_specs(specs: list[str]) -> None:
         name, params = parse_spec(spec)
         if name in MODEL_FREE:
             continue
-        if name == "eagle":
+        if name in ("eagle", "drafter"):  # chains: no tree, one chain, no counterfactual drafts
             typed = ARMS.check(name, spec, 1, params)
             if typed.get("tree", "chain") == "chain" and typed.get("K", 1) == 1 and not typed.get("counterfactual"):
                 continue
@@ -199,7 +199,7 @@ class Row(TokenBudget):
     scorer: CounterfactualScorer | None = None
     pending: list[PendingRound] | None = None
     last: list[int] = field(default_factory=list)  # the tokens its last round committed
-    drafters: dict[int, EagleBatch] = field(default_factory=dict)  # arm index -> the batch drafter drafting it
+    drafters: dict[int, BatchDrafter] = field(default_factory=dict)  # arm index -> the batch drafter drafting it
     joined: float = 0.0  # perf_counter() when it joined
     finished: float = 0.0
 
@@ -245,6 +245,11 @@ def _prefix(draft: Draft, k: int) -> Draft:
                  None if draft.hidden is None else draft.hidden[:k])
 
 
+def _needs_hidden(row: Row) -> bool:
+    """Whether the row drafts with a module that reads the target's hidden states (an EAGLE head)."""
+    return any(d.needs_hidden for d in row.drafters.values())
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """1 + α + … + α^k: a chain of k drafts whose positions each survive with probability α, plus the bonus."""
     return float(sum(alpha ** i for i in range(k + 1)))
@@ -287,7 +292,7 @@ class BatchEngine:
         self.pad_id = int(pad_id)
         self.cache = RowCache(model.config)
         self.rows: list[Row] = []
-        self.drafters: dict[int, EagleBatch] = {}  # id(head) -> the head's drafting for every row (EAGLE chains)
+        self.drafters: dict[object, BatchDrafter] = {}  # an arm's batch_key -> its module's drafting for every row
         self.history: list[BatchRound] = []
         self._next = 0
         p = next(model.parameters())
@@ -332,25 +337,27 @@ class BatchEngine:
             ids = torch.tensor([prompt_ids[:-1]], dtype=torch.long, device=self.device)
             with torch.inference_mode():
                 out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                                 output_hidden_states=bool(row.drafters))
+                                 output_hidden_states=_needs_hidden(row))
             hidden = out.hidden_states
         uses = set(map(id, row.drafters.values()))
         for d in self.drafters.values():  # every drafter keeps a row for every row, in order
             mine = id(d) in uses
-            d.add_row(row.prompt if mine else None, d.features(hidden)[0] if mine and hidden is not None else None)
+            feats = d.features(hidden)[0] if mine and d.needs_hidden and hidden is not None else None
+            d.add_row(row.prompt if mine else None, feats)
         self.cache.add(cache, n)
         self.rows.append(row)
         return row.rid
 
-    def _drafter(self, arm) -> EagleBatch:
-        """The batch drafter of ``arm``'s head (made on first use, with an empty row for each row already here).
-        When the target runs oneDNN-packed linears the head's are packed too, as the serial engine does."""
-        head = arm.head
-        if id(head) not in self.drafters:
+    def _drafter(self, arm) -> BatchDrafter:
+        """The batch drafter of ``arm``'s module (made on first use, with an empty row for each row already here).
+        When the target runs oneDNN-packed linears the module's are packed too, as the serial engine does."""
+        key = arm.batch_key
+        if key not in self.drafters:
+            drafter = arm.batch_drafter(len(self.rows), self.compact_slack)
             if self.packed:
-                pack_arm_linears([arm], arm.target_model)  # the head's own modules; the stock target's never
-            self.drafters[id(head)] = EagleBatch(head, rows=len(self.rows), compact_slack=self.compact_slack)
-        return self.drafters[id(head)]
+                pack_arm_linears([drafter], self.model)  # the modules it drafts with (a head, a drafter LM)
+            self.drafters[key] = drafter
+        return self.drafters[key]
 
     def _select(self, keep: list[int]) -> None:
         """Keep the rows at ``keep`` (in that order), in the cache and every drafter."""
@@ -396,14 +403,19 @@ class BatchEngine:
             ema = self.ema_accepted
             K = self.tiers[-1] if ema is None else next((t for t in self.tiers if t > ema), self.tiers[-1])
             caps = [min(c, K) for c in caps]
-        drafts = self._propose(picks, caps)
-        if self.length == "cost" and any(len(d) for d in drafts):
-            # the rows' drafts are known (model-free drafting is cheap): K is chosen on what each row actually
-            # drafted (a lookup that found no match drafts nothing, however long its L), then every draft is cut to K
+        # model-free rows draft first (cheap, and what they find decides their length: a lookup with no match
+        # drafts nothing, however long its L); a module's chain always drafts its cap, so it drafts after K is known
+        drafts = [None if i in r.drafters else r.arms[i].propose(r.ctx, c, None)
+                  for r, i, c in zip(self.rows, picks, caps)]
+        if self.length == "cost" and any(d is None or len(d) for d in drafts) and max(caps):
+            # K is chosen jointly on the lengths the rows would draft, then every draft is cut to K
             self._seed_cost(max(caps) + 1, context)
             K = joint_length([self.acceptance.alpha(r, i) for r, i in zip(self.rows, picks)],
-                             [len(d) for d in drafts], lambda w: self.block_steps(len(self.rows), w, context))
-            drafts = [d if len(d) <= K else _prefix(d, K) for d in drafts]
+                             [c if d is None else len(d) for d, c in zip(drafts, caps)],
+                             lambda w: self.block_steps(len(self.rows), w, context))
+            drafts = [d if d is None or len(d) <= K else _prefix(d, K) for d in drafts]
+            caps = [min(c, K) for c in caps]
+        self._propose_batched(picks, caps, drafts)
         lens = [1 + len(d) for d in drafts]
         W = max(lens)
         B = len(self.rows)
@@ -418,7 +430,7 @@ class BatchEngine:
             block_valid[b, :lens[b]] = True
         t1 = time.perf_counter()
         logits, seconds, hidden = self._forward(ids, pos, block_valid,
-                                                hidden=any(r.drafters for r in self.rows))
+                                                hidden=any(map(_needs_hidden, self.rows)))
         self.cost.observe(B * W, context, seconds)
         keep = torch.zeros(B, W, dtype=torch.bool)
         accepted = []
@@ -437,11 +449,11 @@ class BatchEngine:
             r.tokens.extend(new)
             r.last = new
             for j, a in enumerate(r.arms):
-                if j in r.drafters:  # the target's features at the positions that produced the new tokens
-                    drafter = r.drafters[j]
-                    drafter.observe(b, drafter.features(hidden)[b, :len(new)], new)
-                else:
+                if j not in r.drafters:
                     a.observe(r.ctx, None)
+            for drafter in {id(d): d for d in r.drafters.values()}.values():  # once each, however many arms use it
+                # (an EAGLE head: the target's features at the positions that produced the new tokens)
+                drafter.observe(b, drafter.features(hidden)[b, :len(new)] if drafter.needs_hidden else None, new)
             # a row's share of the round: its part of the drafting and of the block's forward; its step the
             # batch's one-token forward per row (so a throughput reward sees what a token costs at this load)
             rec = RoundRecord(arm=i, drafted=len(d), accepted=min(outcome.accepted, len(new)), new_tokens=len(new),
@@ -517,21 +529,22 @@ class BatchEngine:
         synchronize(self.device)
         return out.logits, time.perf_counter() - t, out.hidden_states if hidden else None
 
-    def _propose(self, picks: list[int], caps: list[int]) -> list[Draft]:
-        """Every row's draft from its chosen arm: model-free arms per row, EAGLE chains batched per head."""
-        drafts: list[Draft | None] = [None] * len(self.rows)
+    def _propose_batched(self, picks: list[int], caps: list[int], drafts: list[Draft | None]) -> None:
+        """Fill ``drafts[b]`` (None) of the rows whose chosen arm drafts batched: one call per module, its rows
+        together (a module whose rows all have cap 0 does not run)."""
         groups: dict[int, list[int]] = {}  # id(drafter) -> rows drafting with it
-        for b, (r, i, c) in enumerate(zip(self.rows, picks, caps)):
-            if i in r.drafters:
+        for b, (r, i) in enumerate(zip(self.rows, picks)):
+            if drafts[b] is None:
                 groups.setdefault(id(r.drafters[i]), []).append(b)
-            else:
-                drafts[b] = r.arms[i].propose(r.ctx, c, None)
         for rows in groups.values():
+            if not any(caps[b] for b in rows):
+                for b in rows:
+                    drafts[b] = Draft.empty()
+                continue
             d = self.rows[rows[0]].drafters[picks[rows[0]]]
             out = d.propose(rows, [caps[b] for b in rows], [self.rows[b].arms[picks[b]] for b in rows])
             for b, draft in zip(rows, out):
                 drafts[b] = draft
-        return drafts
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, max_batch: int | None = None) -> list[Row]:
         """Decode every prompt, at most ``max_batch`` rows at a time (None = all at once); a finished row's place

@@ -3,7 +3,7 @@ the suite with B sequences in flight and the report gives, per method and B, goo
 whole batch per second), per-request latency p50/p95, MAT (tokens per target forward per row) and how many rows
 equal their own plain greedy decoding, with a figure of goodput against B.
 
-Methods (decode/engine/batch.py; ``--arms`` must batch: model-free arms and EAGLE chains):
+Methods (decode/engine/batch.py; ``--arms`` must batch: model-free arms, EAGLE and drafter chains):
 
 * ``hf``: HF ``generate`` on groups of B prompts, left-padded (the plain baseline at that B: static batches);
 * ``batch:none``: our batched rounds without speculation;

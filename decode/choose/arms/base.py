@@ -33,19 +33,28 @@ class ArmEnv:
     trust_remote_code: bool = False
     target: "Target | None" = None  # the verifier wrapper (self-drafting arms read its model/hidden states)
     cache: str = "dynamic"  # KV cache kind of the arms that own one (drafter, early_exit, eagle): dynamic | static
-    # heads loaded through this env, by folder: the arms of one head share its module (a batched engine builds
-    # one arm instance per row, and drafts the rows of one head together)
-    heads: dict = field(default_factory=dict)
+    # modules loaded through this env (heads, drafter models), by what they were loaded from: the arms built from
+    # one share it (a batched engine builds an arm instance per row, and drafts the rows of one module together)
+    loaded: dict = field(default_factory=dict)
 
-    def head(self, path: str, expect: str):
-        """The head in folder ``path``, loaded once per env."""
-        from pathlib import Path
+    def once(self, key, load: Callable[[], object], path: str | None = None):
+        """``load()`` the first time ``key`` is asked for; the same object after — while the files under ``path``
+        (a local folder or file it loads from) are unchanged: a folder rewritten in between is loaded again."""
+        key = (key, _stamp(path))
+        if key not in self.loaded:
+            self.loaded[key] = load()
+        return self.loaded[key]
 
-        from ..heads import load_head
-        key = (str(Path(path).resolve()), expect)
-        if key not in self.heads:
-            self.heads[key] = load_head(path, self.target_model, expect=expect)
-        return self.heads[key]
+
+def _stamp(path: str | None) -> tuple | None:
+    """When the local files at ``path`` last changed (the folder and the files directly in it); None: not local."""
+    from pathlib import Path
+
+    p = Path(path) if path else None
+    if p is None or not p.exists():
+        return None
+    files = [p, *p.iterdir()] if p.is_dir() else [p]
+    return str(p.resolve()), max(f.stat().st_mtime_ns for f in files)
 
 
 class Arm:

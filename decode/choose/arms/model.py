@@ -37,6 +37,7 @@ from ...core.target import KVCache, check_tree_support
 from ...core.tree import sample_chains, tree_attention
 from ...core.vocab import VOCAB_FILE, DraftVocab
 from .base import Arm, ArmEnv, register
+from .batched import BatchDrafter
 
 VOCAB_CHOICES = "auto|none|PATH"
 # config fields of LM heads that are more than a matrix product (soft-capping, scaling): the pruned
@@ -120,7 +121,8 @@ class DrafterModelArm(Arm):
     name = "drafter"
 
     def __init__(self, model, sampling: SamplingConfig, L: int = 4, generator: torch.Generator | None = None,
-                 label: str | None = None, cache: str = "dynamic", K: int = 1, vocab: DraftVocab | None = None):
+                 label: str | None = None, cache: str = "dynamic", K: int = 1,
+                 vocab: "DraftVocab | DraftVocabLM | None" = None):
         super().__init__(L)
         if K < 1:
             raise UserError(f"drafter: K (sampled chains per draft) must be >= 1, got {K}")
@@ -137,7 +139,7 @@ class DrafterModelArm(Arm):
         self.cache = KVCache.for_model(model, cache, config=config)
         self.cache_tokens: list[int] = []
         # what its forwards run: the model, or the model's stack + the draft vocabulary's rows (same cache)
-        self.pruned = None if vocab is None else DraftVocabLM(self.model, vocab)
+        self.pruned = vocab if vocab is None or isinstance(vocab, DraftVocabLM) else DraftVocabLM(self.model, vocab)
 
     @property
     def draft_vocab(self) -> DraftVocab | None:
@@ -147,6 +149,18 @@ class DrafterModelArm(Arm):
     @property
     def label(self) -> str:
         return self._label or f"drafter@{self.L}"
+
+    @property
+    def batch_key(self):
+        """Batched rounds draft the rows of one drafter model together (decode/choose/arms/batched.py): chains only
+        (K sampled chains are serial), and LM heads that are a matrix product (no soft-capping or scaling)."""
+        config = getattr(self.model, "config", None)
+        if self.K > 1 or any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_TRANSFORMS):
+            return None
+        return "drafter", id(self.model), id(self.pruned)
+
+    def batch_drafter(self, rows: int, compact_slack: int):
+        return DrafterBatch(self.model, self.pruned, rows, compact_slack)
 
     def reset(self, prompt_ids):
         self.cache.start(minimum=len(prompt_ids))
@@ -228,6 +242,29 @@ class DrafterModelArm(Arm):
         return out.logits[0].float()
 
 
+class DrafterBatch(BatchDrafter):
+    """One drafter model's drafting for every row of a batched engine (decode/choose/arms/batched.py). Its cache
+    holds the committed tokens (positions 0..m-1); the output kept per row is the decoder's last hidden state, and
+    logits come from the LM head (or the draft vocabulary's rows) for the rows that draft only."""
+
+    def __init__(self, model, pruned: "DraftVocabLM | None", rows: int = 0, compact_slack: int = 32):
+        self.model, self.pruned = model, pruned
+        self.decoder = base_model(model)
+        super().__init__(model, getattr(model, "config", None) or model.model.config, rows, compact_slack)
+
+    def _prefill(self, prompt, feats):
+        return list(prompt), None
+
+    def _run(self, ids, extra, pos, cache, mask):
+        return self.decoder(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                            use_cache=True).last_hidden_state
+
+    def _logits(self, out):
+        if self.pruned is None:
+            return self.model.get_output_embeddings()(out)
+        return self.pruned.full_logits(F.linear(out, self.pruned.rows, self.pruned.bias))
+
+
 def _check(typed: dict) -> None:
     """The drafter's folder or hub id resolves (an alias is converted only when it loads)."""
     if str(typed["path"]) not in ALIASES:
@@ -240,6 +277,17 @@ def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | N
     """K > 1: K i.i.d. sampled chains per draft, merged into a tree and verified with SpecTr's k-Seq.
     ``vocab``: the draft vocabulary, auto (the folder's draft_vocab.safetensors when present) | none (the
     full vocabulary) | PATH (a folder holding that file, or the file)."""
+    model, pruned = env.once(("drafter", path, vocab), lambda: _load(env, path, vocab), path=path)
+    try:
+        return DrafterModelArm(model, env.sampling, L, env.generator,
+                               label=name or f"drafter[{path}]@{L}" + (f"x{K}" if K > 1 else ""), cache=env.cache,
+                               K=K, vocab=pruned)
+    except UserError as exc:
+        raise UserError(f"arm drafter:path={path}: {exc}") from None
+
+
+def _load(env: ArmEnv, path: str, vocab: str) -> tuple[nn.Module, DraftVocabLM | None]:
+    """The drafter model (checked against the target's vocabulary) and its draft-vocabulary forward, if any."""
     try:
         weight = env.target_model.get_output_embeddings().weight  # the drafter lives where the target does
         model, tok = load_model(path, device=weight.device, dtype=weight.dtype,
@@ -251,8 +299,6 @@ def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | N
                            drafter_vocab_size=model.get_output_embeddings().weight.shape[0])
     try:
         draft_vocab = load_drafter_vocab(path, model.get_output_embeddings().weight.shape[0], vocab)
-        return DrafterModelArm(model, env.sampling, L, env.generator,
-                               label=name or f"drafter[{path}]@{L}" + (f"x{K}" if K > 1 else ""), cache=env.cache,
-                               K=K, vocab=draft_vocab)
+        return model.eval(), None if draft_vocab is None else DraftVocabLM(model, draft_vocab)
     except UserError as exc:
         raise UserError(f"arm drafter:path={path}: {exc}") from None

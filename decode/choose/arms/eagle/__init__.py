@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from ....common.errors import UserError
+from ...heads import load_head
 from ...heads.common import check_head_folder
 from ....common.specs import Range
 from ..base import ArmEnv, register
@@ -33,7 +34,7 @@ def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | N
                         f"with nodes=N,topk=k), got '{tree}'")
     if tree == "dynamic" and K > 1:
         raise UserError("eagle: K=k (sampled chains) and tree=dynamic (EAGLE-2) are two tree shapes; pick one")
-    head = env.head(path, expect="eagle")
+    head = env.once(("eagle", path), lambda: load_head(path, env.target_model, expect="eagle"), path=path)
     if env.target is not None:
         env.target.want_hidden = True
     kw = dict(generator=env.generator, label=name, target=env.target, cache=env.cache)

@@ -82,6 +82,16 @@ class EagleArm(Arm):
     def label(self) -> str:
         return self._label or f"eagle@{self.L}"
 
+    @property
+    def batch_key(self):
+        """Batched rounds draft the rows of one head together (decode/choose/arms/batched.py): a plain chain only
+        (trees, sampled chains and counterfactual drafts are serial)."""
+        return None if type(self) is not EagleArm or self.greedy_counterfactual else ("eagle", id(self.head))
+
+    def batch_drafter(self, rows: int, compact_slack: int):
+        from .batched import EagleBatch
+        return EagleBatch(self.head, rows, compact_slack)
+
     def reset(self, prompt_ids):
         self.cache.start(minimum=len(prompt_ids))
         self.entries = 0  # head-cache entries built from true features (positions 0..entries-1)

@@ -1,0 +1,202 @@
+"""Neural arms drafting for every row of a batched engine at once (issue 32 §1: neural arms draft batched per arm).
+
+A :class:`~decode.engine.batch.BatchEngine` gives each row its own instance of every arm (its L, label, sampling
+and generator: what the row's policy plays), but an arm that drafts with a model of its own — an EAGLE head, a
+drafter LM — would run that model once per row. Such an arm names a ``batch_key`` (its module: rows whose arms
+share it draft together) and builds a :class:`BatchDrafter` for it (``batch_drafter``): one
+:class:`~decode.core.row_cache.RowCache` over the module's layers holds every row's cache, rows in the engine's
+order, and every row that plays the arm in a round drafts in one forward per draft position.
+
+Per row, as each serial arm does it: the module's cache holds entries built from TRUE inputs only (committed
+tokens; for EAGLE, with the target's features at them). A joining row is prefilled alone (:meth:`add_row`).
+After every target round the engine hands each row its new tokens (and, to a drafter that ``needs_hidden``, the
+target's hidden states at the positions that produced them: :meth:`observe`); they wait as pending entries until
+a round in which some row drafts with this module, when ONE forward over a padded block brings every row's true
+entries up to its context (:meth:`catch_up`); then one forward per further draft position advances the rows still
+drafting, the others sitting in it as padding. The draft positions' slots become invisible once the drafts are
+out (``RowCache.forget``). A row's drafts are therefore the serial arm's from the same context (tested token for
+token on float64 targets), and lossless follows from the verifier, as for every arm.
+
+A subclass says what a forward takes and returns (:meth:`_run`), how its output becomes logits over the target
+vocabulary (:meth:`_logits`), what a draft step feeds besides the drafted token (:meth:`_step_input`), and what a
+joining row's prefill feeds (:meth:`_prefill`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...core.draft import Draft
+from ...core.row_cache import RowCache
+from ...core.sampling import choose_token
+
+
+def drafts_batched(arm) -> bool:
+    """Whether batched rounds draft ``arm`` through a :class:`BatchDrafter` (else: per row, model-free)."""
+    return getattr(arm, "batch_key", None) is not None
+
+
+class BatchDrafter:
+    """One drafting module's state for every row of a batched engine (module docstring). ``config``: the HF config
+    that sizes its cache; ``rows``: the rows already in the batch when it is made (none of them drafts with it)."""
+
+    needs_hidden = False  # reads the target's hidden states (observe gets them)
+
+    def __init__(self, module: torch.nn.Module, config, rows: int = 0, compact_slack: int = 32):
+        p = next(module.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cache = RowCache(config)
+        self.compact_slack = compact_slack
+        self.used: list[bool] = []  # the row drafts with this module (else an empty row, kept for the order)
+        self.entries: list[int] = []  # true cache entries (positions 0..entries-1) per row
+        # per row, inputs not fed yet: (extra input rows [n, ·] or None, their tokens)
+        self.pending: list[list[tuple[torch.Tensor | None, list[int]]]] = []
+        self.after: list[torch.Tensor | None] = []  # the module's output after the row's context (None: none yet)
+        for _ in range(rows):
+            self.add_row(None, None)
+
+    # ---- what a subclass says ---------------------------------------------------------------------------
+
+    def features(self, hidden_states) -> torch.Tensor:
+        """The target rows this drafter reads out of an HF forward's ``hidden_states`` (``needs_hidden`` only)."""
+        raise NotImplementedError
+
+    def _prefill(self, prompt: list[int], feats: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
+        """A joining row's true inputs at positions 0..n-1: (tokens, extra input rows or None)."""
+        raise NotImplementedError
+
+    def _run(self, ids: torch.Tensor, extra: torch.Tensor | None, pos: torch.Tensor, cache, mask) -> torch.Tensor:
+        """One forward of a ``[B, W]`` block: its output per position ``[B, W, d]``."""
+        raise NotImplementedError
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Outputs ``[n, d]`` → logits over the target vocabulary ``[n, V]`` (``-inf`` outside a draft vocabulary)."""
+        raise NotImplementedError
+
+    def _step_input(self, out: torch.Tensor) -> torch.Tensor | None:
+        """What a draft step feeds beside its token, from the output it drafted that token from (None: tokens only)."""
+        return None
+
+    def _extra(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored extra input rows → what the module reads (EAGLE-3 fuses the target's layers here)."""
+        return rows
+
+    # ---- rows join and leave ------------------------------------------------------------------------------
+
+    @property
+    def rows(self) -> int:
+        return len(self.used)
+
+    @torch.inference_mode()
+    def add_row(self, prompt: list[int] | None, feats: torch.Tensor | None) -> None:
+        """Append a row, prefilled alone. ``prompt`` None: a row that does not draft with this module. ``feats``:
+        the target's rows at the prompt's cached positions 0..P-2 (``needs_hidden`` drafters; None otherwise)."""
+        from transformers import DynamicCache
+
+        self.used.append(prompt is not None)
+        self.pending.append([])
+        self.after.append(None)
+        ids, extra = ([], None) if prompt is None else self._prefill(prompt, feats)
+        cache = None
+        if ids:
+            cache = DynamicCache()
+            n = len(ids)
+            out = self._run(torch.tensor([ids], device=self.device),
+                            None if extra is None else self._extra(extra[None].to(self.device, self.dtype)),
+                            torch.arange(n, device=self.device)[None], cache, None)
+            self.after[-1] = out[0, -1]
+        self.entries.append(len(ids))
+        self.cache.add(cache, len(ids))
+
+    def select(self, keep: list[int]) -> None:
+        """Keep the rows ``keep`` (in that order), as the engine does."""
+        self.cache.select(keep)
+        for name in ("used", "entries", "pending", "after"):
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+
+    def observe(self, row: int, feats: torch.Tensor | None, tokens: list[int]) -> None:
+        """After a target round: the row's new ``tokens`` (and the target's rows at the positions that produced
+        them, for a drafter that ``needs_hidden``)."""
+        if self.used[row] and len(tokens):
+            self.pending[row].append((None if feats is None else feats[:len(tokens)], list(tokens)))
+
+    # ---- drafting ---------------------------------------------------------------------------------------
+
+    def _forward(self, ids: torch.Tensor, extra: torch.Tensor | None, pos: torch.Tensor,
+                 valid: torch.Tensor) -> torch.Tensor:
+        """One forward of a ``[B, W]`` block over every row's cache, its real slots then kept."""
+        mask = self.cache.block(valid, self.dtype, self.device)
+        out = self._run(ids.to(self.device), extra, pos.to(self.device), self.cache.hf, mask)
+        self.cache.commit(valid)
+        return out
+
+    @torch.inference_mode()
+    def catch_up(self) -> None:
+        """Feed every row's pending true entries in one forward; each such row's output after its context."""
+        widths = [sum(len(t) for _, t in p) for p in self.pending]
+        W = max(widths, default=0)
+        if not W:
+            return
+        B = self.rows
+        ids = torch.zeros(B, W, dtype=torch.long)
+        valid = torch.zeros(B, W, dtype=torch.bool)
+        pos = torch.arange(W)[None] + torch.tensor(self.entries)[:, None]
+        extra = None
+        for b, (p, n) in enumerate(zip(self.pending, widths)):
+            if not n:
+                continue
+            ids[b, :n] = torch.tensor([t for _, toks in p for t in toks])
+            valid[b, :n] = True
+            if p[0][0] is not None:
+                rows = self._extra(torch.cat([f for f, _ in p]).to(self.device, self.dtype)).to(self.dtype)
+                if extra is None:
+                    extra = torch.zeros(B, W, rows.shape[-1], device=self.device, dtype=self.dtype)
+                extra[b, :n] = rows
+        out = self._forward(ids, extra, pos, valid)
+        for b, n in enumerate(widths):
+            if n:
+                self.after[b] = out[b, n - 1]
+                self.entries[b] += n
+                self.pending[b] = []
+
+    @torch.inference_mode()
+    def propose(self, rows: list[int], caps: list[int], arms: list) -> list[Draft]:
+        """Chains of up to ``caps[k]`` tokens for the rows ``rows[k]``, each drafted under its arm's sampling and
+        generator; a row with nothing to draft from yet gets an empty draft."""
+        self.catch_up()
+        drafts = [Draft.empty() for _ in rows]
+        live = [k for k, (b, c) in enumerate(zip(rows, caps)) if c > 0 and self.after[b] is not None]
+        if not live:
+            return drafts
+        out = torch.stack([self.after[rows[k]] for k in live])  # what each live row drafts its next token from
+        tokens: dict[int, list[int]] = {k: [] for k in live}
+        dists: dict[int, list[torch.Tensor]] = {k: [] for k in live}
+        hidden: dict[int, list[torch.Tensor]] = {k: [] for k in live}
+        start = self.cache.slots
+        for i in range(max(caps[k] for k in live)):
+            going = [j for j, k in enumerate(live) if caps[k] > i]
+            if i > 0:  # one step for the rows still drafting, the others padding
+                at = [rows[live[j]] for j in going]
+                ids = torch.zeros(self.rows, 1, dtype=torch.long)
+                valid = torch.zeros(self.rows, 1, dtype=torch.bool)
+                pos = torch.zeros(self.rows, 1, dtype=torch.long)
+                ids[at, 0] = torch.tensor([tokens[live[j]][-1] for j in going])
+                valid[at] = True
+                pos[at, 0] = torch.tensor([self.entries[b] + i - 1 for b in at])
+                step = self._step_input(out[going])
+                extra = None
+                if step is not None:
+                    extra = torch.zeros(self.rows, 1, step.shape[-1], device=self.device, dtype=self.dtype)
+                    extra[at, 0] = step.to(self.dtype)
+                out[going] = self._forward(ids, extra, pos, valid)[at, 0].to(out.dtype)
+            logits = self._logits(out[going]).float()
+            for j, row_logits in zip(going, logits):
+                k = live[j]
+                tok, dist = choose_token(row_logits, arms[k].sampling, arms[k].generator)
+                tokens[k].append(int(tok))
+                dists[k].append(dist)
+                hidden[k].append(out[j].float().clone())  # out changes in place next step
+        self.cache.forget(start)  # the draft positions' entries were built from drafted inputs
+        self.cache.tidy(self.compact_slack)
+        for k in live:
+            drafts[k] = Draft(torch.tensor(tokens[k]), q=torch.stack(dists[k]), hidden=torch.stack(hidden[k]))
+        return drafts

@@ -1,0 +1,194 @@
+"""Neural arms drafted batched per module (decode/choose/arms/batched.py, issue 32 §1): EAGLE heads (EAGLE-1 and -3)
+and drafter models (full vocabulary and a draft vocabulary). Every row's draft is the serial arm's from the same
+context, token for token, whatever its batch-mates do; rows stay lossless; a module is loaded once for all rows;
+what cannot batch is refused before a model loads."""
+import pytest
+import torch
+
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.arms.eagle import EagleArm
+from decode.choose.arms.model import DrafterModelArm
+from decode.choose.heads import EagleHead, save_head
+from decode.choose.policies import build_policy
+from decode.common.errors import UserError
+from decode.core.sampling import SamplingConfig
+from decode.core.vocab import DraftVocab
+from decode.core.verify import Verifier
+from decode.engine.batch import BatchEngine, check_batch_arm_specs, check_batchable
+from helpers import TinyTokenizer, plain_greedy, tiny_llama
+
+GREEDY = SamplingConfig()
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [5], [3, 3, 8, 3, 3, 8, 3, 3, 8, 3],
+           [12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40], [2, 4]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab=64, layers=4, seed=3, peaked=4.0).double()  # float64: no near-tie flips between shapes
+
+
+def _head(model, fused: bool) -> EagleHead:
+    """A head whose every tensor matters (the identity init would hide wrong wiring)."""
+    head = EagleHead(model, init="last_layer", feature_layers=(1, 2, 3) if fused else None).double()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in head.trainable_parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype) * (p.abs().mean() + 0.05))
+    return head.eval()
+
+
+def _neural(model, module, sampling, seed=0, L=3):
+    """The serial arm of ``module`` (an EAGLE head, or a drafter LM / (LM, draft vocabulary) pair)."""
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(module, EagleHead):
+        return EagleArm(module, model, sampling, L, generator=g, label=f"eagle@{L}")
+    lm, vocab = module if isinstance(module, tuple) else (module, None)
+    return DrafterModelArm(lm, sampling, L, g, vocab=vocab, label=f"drafter@{L}")
+
+
+def _engine(model, module, sampling=GREEDY, pool=("neural", "pld:L=3", "none"), policy="random", seed=0, **kw):
+    env = ArmEnv(model, TinyTokenizer(64), sampling)
+    shared = _neural(model, module, sampling, seed)  # one module for every row (what ArmEnv.once gives built arms)
+    if isinstance(module, tuple) and module[1] is not None:
+        module = (module[0], shared.pruned)
+
+    def make_arms():  # "neural" = L 3, "neural@2": another arm of the same module
+        return [_neural(model, module, sampling, seed, L=int(s[7:] or 3)) if s.startswith("neural") else
+                build_arm(s, env) for s in pool]
+
+    seeds = iter(range(seed, seed + 10_000))
+    return BatchEngine(model, make_arms, lambda K: build_policy(policy, K, 4, seed=next(seeds)),
+                       Verifier(sampling, "torch", torch.Generator().manual_seed(seed)), **kw)
+
+
+def _spy(monkeypatch) -> list:
+    """Record (context, cap, draft) of every EAGLE draft the batched engine makes (arm 0)."""
+    seen = []
+    propose = BatchEngine._propose_batched
+
+    def spy(self, picks, caps, drafts):
+        mine = [b for b, (i, d) in enumerate(zip(picks, drafts)) if i == 0 and d is None]
+        propose(self, picks, caps, drafts)
+        seen.extend((list(self.rows[b].ctx), caps[b], drafts[b]) for b in mine)
+
+    monkeypatch.setattr(BatchEngine, "_propose_batched", spy)
+    return seen
+
+
+def _module(model, kind: str):
+    if kind in ("eagle1", "eagle3"):
+        return _head(model, fused=kind == "eagle3")
+    lm = tiny_llama(vocab=64, layers=1, seed=8, peaked=4.0).double()  # a drafter LM of the target's vocabulary
+    if kind == "drafter":
+        return lm
+    return lm, DraftVocab(torch.tensor([i for i in range(64) if i % 3]), 64)  # drafts 2/3 of the ids
+
+
+KINDS = ["eagle1", "eagle3", "drafter", "drafter-vocab"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("max_batch", [None, 2])
+def test_batched_drafts_are_the_serial_chains_and_rows_stay_lossless(model, monkeypatch, kind, max_batch):
+    module = _module(model, kind)
+    seen = _spy(monkeypatch)
+    eng = _engine(model, module)
+    rows = eng.generate(PROMPTS, 20, max_batch=max_batch)
+    for p, r in zip(PROMPTS, rows):
+        assert r.tokens == plain_greedy(model, p, 20), p
+    assert len(eng.drafters) == 1 and not next(iter(eng.drafters.values())).rows  # one drafter, rows all left
+    drafted = [s for s in seen if len(s[2])]
+    assert len(drafted) > 10 and any(len(s[2]) > 1 for s in drafted)
+    assert any(rec.arm == 0 and rec.accepted for r in rows for rec in r.rounds)  # some drafts were accepted
+    for ctx, cap, draft in seen:  # the serial arm from the same context (EAGLE: its features from a full forward)
+        serial = _neural(model, module, GREEDY).propose(ctx, cap)
+        assert draft.tokens.tolist() == serial.tokens.tolist(), ctx
+        if len(draft) and kind.startswith("eagle"):
+            torch.testing.assert_close(draft.hidden, serial.hidden.to(draft.hidden.dtype))
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "drafter-vocab"])
+def test_sampled_draft_distributions_are_the_serial_chains(model, monkeypatch, kind):
+    """Under sampling a draft's first-position distribution (what the verifier divides by) is the serial arm's."""
+    cfg = SamplingConfig(temperature=0.9, top_k=20)
+    module = _module(model, kind)
+    seen = _spy(monkeypatch)
+    rows = _engine(model, module, sampling=cfg, seed=5).generate(PROMPTS, 16)
+    assert all(len(r.tokens) == 16 for r in rows)
+    drafted = [s for s in seen if len(s[2])]
+    assert len(drafted) > 5
+    for ctx, cap, draft in drafted:
+        serial = _neural(model, module, cfg).propose(ctx, cap)
+        torch.testing.assert_close(draft.q[0], serial.q[0])
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "drafter"])
+def test_joint_lengths_cut_module_drafts_before_they_are_drafted(model, monkeypatch, kind):
+    """length=cost: the module drafts min(its cap, the joint K) tokens (never more, to be cut afterwards), and does
+    not run at all in a round whose K is 0; rows stay lossless."""
+    module = _module(model, kind)
+    seen = _spy(monkeypatch)
+    eng = _engine(model, module, policy="ucbspec", length="cost")
+    rows = eng.generate(PROMPTS, 20, max_batch=4)
+    for p, r in zip(PROMPTS, rows):
+        assert r.tokens == plain_greedy(model, p, 20), p
+    played = [(h, b) for h in eng.history for b, rid in enumerate(h.rows)]
+    assert any(h.width == 1 for h, _ in played) and any(h.width > 1 for h, _ in played)  # K moved, 0 included
+    for ctx, cap, draft in seen:
+        assert cap <= 3 and len(draft) == (0 if kind == "eagle1" and len(ctx) == 1 else cap)  # EAGLE needs 2 tokens
+        assert draft.tokens.tolist() == _neural(model, module, GREEDY).propose(ctx, cap).tokens.tolist(), ctx
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "drafter"])
+def test_two_arms_of_one_module_share_its_drafter(model, monkeypatch, kind):
+    """eagle@3 and eagle@2 of one head (or two lengths of one drafter): one batch drafter, fed once per round."""
+    module = _module(model, kind)
+    seen = _spy(monkeypatch)
+    eng = _engine(model, module, pool=("neural", "neural@2", "pld:L=3"))
+    rows = eng.generate(PROMPTS, 20)
+    for p, r in zip(PROMPTS, rows):
+        assert r.tokens == plain_greedy(model, p, 20), p
+    assert len(eng.drafters) == 1
+    assert {rec.arm for r in rows for rec in r.rounds} == {0, 1, 2}
+    for ctx, cap, draft in seen:
+        assert draft.tokens.tolist() == _neural(model, module, GREEDY).propose(ctx, cap).tokens.tolist(), ctx
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "drafter"])
+def test_rows_without_the_module_and_rows_joining_mid_flight(model, kind):
+    """A server row may serve an arm subset without the module (its drafter keeps an empty row for it), and rows
+    join between rounds; everything stays each row's plain greedy decoding."""
+    eng = _engine(model, _module(model, kind))
+    env = ArmEnv(model, TinyTokenizer(64), GREEDY)
+    done = {}
+    first = [eng.add(p, 20) for p in PROMPTS[:2]]
+    plain = eng.add(PROMPTS[2], 20, arms=[build_arm("pld:L=2", env)], policy=build_policy("random", 1, 4))
+    for _ in range(3):
+        done.update({r.rid: r for r in eng.step()})
+    late = [eng.add(p, 12) for p in PROMPTS[3:]]
+    while eng.rows:
+        done.update({r.rid: r for r in eng.step()})
+        d = next(iter(eng.drafters.values()))
+        assert d.rows == len(eng.rows) == d.cache.rows
+    for rid, p in zip(first + [plain] + late, PROMPTS):
+        assert done[rid].tokens == plain_greedy(model, p, 12 if rid in late else 20), p
+
+
+def test_modules_load_once_per_env_and_what_cannot_batch_is_refused(tmp_path, tiny_target_dir):
+    from decode.core.models import load_model
+
+    model, tok = load_model(tiny_target_dir)
+    save_head(EagleHead(model), tmp_path / "h")
+    env = ArmEnv(model, tok, GREEDY)
+    a, b = (build_arm(f"eagle:path={tmp_path / 'h'},L=2", env) for _ in range(2))
+    assert a.head is b.head and a.cache is not b.cache  # one module, a cache per arm instance
+    c, d = (build_arm(f"drafter:path={tiny_target_dir},L=2", env) for _ in range(2))
+    assert c.model is d.model and c.cache is not d.cache
+    check_batchable([a, c, build_arm("pld:L=2", env)])
+    check_batch_arm_specs([f"eagle:path={tmp_path / 'h'},L=2", "suffix:L=3", f"drafter:path={tiny_target_dir}"])
+    for spec in (f"eagle:path={tmp_path / 'h'},tree=dynamic", f"eagle:path={tmp_path / 'h'},K=2",
+                 f"eagle:path={tmp_path / 'h'},counterfactual=true", f"drafter:path={tiny_target_dir},K=2"):
+        with pytest.raises(UserError, match="chains of EAGLE heads and drafter models"):
+            check_batch_arm_specs([spec])
+    with pytest.raises(UserError, match="serially only"):
+        check_batchable([build_arm(f"eagle:path={tmp_path / 'h'},tree=dynamic", env)])
