@@ -7,8 +7,9 @@ import torch
 
 from decode.choose.arms import ArmEnv, build_arm
 from decode.choose.arms.eagle import EagleArm
+from decode.choose.arms.early_exit import EarlyExitArm
 from decode.choose.arms.model import DrafterModelArm
-from decode.choose.heads import EagleHead, save_head
+from decode.choose.heads import EagleHead, EarlyExitDrafter, save_head
 from decode.choose.policies import build_policy
 from decode.common.errors import UserError
 from decode.core.sampling import SamplingConfig
@@ -42,6 +43,8 @@ def _neural(model, module, sampling, seed=0, L=3):
     g = torch.Generator().manual_seed(seed)
     if isinstance(module, EagleHead):
         return EagleArm(module, model, sampling, L, generator=g, label=f"eagle@{L}")
+    if isinstance(module, EarlyExitDrafter):
+        return EarlyExitArm(module, sampling, L, g, label=f"early_exit@{L}")
     lm, vocab = module if isinstance(module, tuple) else (module, None)
     return DrafterModelArm(lm, sampling, L, g, vocab=vocab, label=f"drafter@{L}")
 
@@ -78,13 +81,15 @@ def _spy(monkeypatch) -> list:
 def _module(model, kind: str):
     if kind in ("eagle1", "eagle3"):
         return _head(model, fused=kind == "eagle3")
+    if kind == "early_exit":  # the target's first 2 layers + an exit layer, a draft vocabulary
+        return EarlyExitDrafter(model, n_layers=2, draft_vocab=DraftVocab(torch.arange(0, 64, 2), 64)).eval()
     lm = tiny_llama(vocab=64, layers=1, seed=8, peaked=4.0).double()  # a drafter LM of the target's vocabulary
     if kind == "drafter":
         return lm
     return lm, DraftVocab(torch.tensor([i for i in range(64) if i % 3]), 64)  # drafts 2/3 of the ids
 
 
-KINDS = ["eagle1", "eagle3", "drafter", "drafter-vocab"]
+KINDS = ["eagle1", "eagle3", "drafter", "drafter-vocab", "early_exit"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -184,11 +189,35 @@ def test_modules_load_once_per_env_and_what_cannot_batch_is_refused(tmp_path, ti
     assert a.head is b.head and a.cache is not b.cache  # one module, a cache per arm instance
     c, d = (build_arm(f"drafter:path={tiny_target_dir},L=2", env) for _ in range(2))
     assert c.model is d.model and c.cache is not d.cache
-    check_batchable([a, c, build_arm("pld:L=2", env)])
+    save_head(EarlyExitDrafter(model, n_layers=1), tmp_path / "x")
+    e, f = (build_arm(f"early_exit:path={tmp_path / 'x'},L=2", env) for _ in range(2))
+    assert e.model is f.model
+    check_batchable([a, c, e, build_arm("pld:L=2", env)])
+    check_batch_arm_specs([f"early_exit:path={tmp_path / 'x'}"])
     check_batch_arm_specs([f"eagle:path={tmp_path / 'h'},L=2", "suffix:L=3", f"drafter:path={tiny_target_dir}"])
     for spec in (f"eagle:path={tmp_path / 'h'},tree=dynamic", f"eagle:path={tmp_path / 'h'},K=2",
                  f"eagle:path={tmp_path / 'h'},counterfactual=true", f"drafter:path={tiny_target_dir},K=2"):
-        with pytest.raises(UserError, match="chains of EAGLE heads and drafter models"):
+        with pytest.raises(UserError, match="chains of EAGLE heads, drafter models and early-exit layers"):
             check_batch_arm_specs([spec])
     with pytest.raises(UserError, match="serially only"):
         check_batchable([build_arm(f"eagle:path={tmp_path / 'h'},tree=dynamic", env)])
+
+
+def test_packed_linears_reach_the_arms_modules_never_the_stock_target():
+    """With a target running oneDNN-packed linears, a batch drafter's own modules are packed as the serial engine
+    packs them; the stock target's layers, which an early-exit stack runs, stay as loaded."""
+    from decode.core.linear import PackedLinear, linear_model, onednn_usable
+
+    model = tiny_llama(vocab=64, layers=4, seed=3)
+    why = onednn_usable("cpu", torch.float32)
+    if why is not None:
+        pytest.skip(why)
+    head = EarlyExitDrafter(model, n_layers=2).eval()
+    run = linear_model(model, "onednn")
+    eng = BatchEngine(run, lambda: [EarlyExitArm(head, GREEDY, 2)], lambda K: build_policy("fixed:arm=0", K, 2),
+                      Verifier(GREEDY, "torch"), stock_model=model)
+    rows = eng.generate(PROMPTS[:3], 8)
+    assert all(len(r.tokens) == 8 for r in rows)
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert isinstance(head.lm_head, PackedLinear) and isinstance(head.model.layers[2].mlp.down_proj, PackedLinear)
+    assert head.model.layers[0] is model.model.layers[0]  # the shared target layer, not packed in place

@@ -40,11 +40,11 @@ tokens the row goes on to emit (decode/choose/feedback.py), as in the serial eng
 (``router:cost=true``) reads the batch's block cost. One policy object may serve every row (a server's carried
 policy): it is shown a row's features again right before that row's update.
 
-Arms: model-free ones (``MODEL_FREE``) draft per row from the row's own instances; EAGLE chains and drafter models
-draft batched per module (decode/choose/arms/batched.py: one :class:`BatchDrafter` per head or drafter LM keeps
+Arms: model-free ones (``MODEL_FREE``) draft per row from the row's own instances; EAGLE chains, drafter models and
+early-exit layers draft batched per module (decode/choose/arms/batched.py: one :class:`BatchDrafter` per module keeps
 every row's cache of it in its own RowCache; every row that plays it drafts in one forward per draft position;
 an EAGLE head reads the target's features, which this engine's forwards then return). Arms that draft serially
-only (EAGLE trees, K sampled chains, early-exit arms) are refused with a clear error (:func:`check_batchable`).
+only (EAGLE trees, K sampled chains) are refused with a clear error (:func:`check_batchable`).
 """
 from __future__ import annotations
 
@@ -113,14 +113,14 @@ def scheduled_length(schedule: list[tuple[int, int | None, int]], B: int) -> int
 
 def _not_batchable(what: str) -> UserError:
     return UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) and chains of EAGLE "
-                     f"heads and drafter models (eagle without tree=, K= or counterfactual=true; drafter without K=); "
-                     f"{what} drafts serially only (EAGLE trees, K sampled chains and early-exit arms do)")
+                     f"heads, drafter models and early-exit layers (eagle without tree=, K= or counterfactual=true; "
+                     f"drafter without K=); {what} drafts serially only (EAGLE trees and K sampled chains do)")
 
 
 def check_batchable(arms: list[Arm]) -> None:
     """What batched rounds take: model-free arms (each row holds its own cheap instances, every one scorable, so a
-    policy learning from every arm's reward gets it) and arms with a ``batch_key`` (EAGLE and drafter chains: one
-    forward per draft position for all rows, decode/choose/arms/batched.py)."""
+    policy learning from every arm's reward gets it) and arms with a ``batch_key`` (chains of EAGLE heads, drafters
+    and early-exit layers: one forward per draft position for all rows, decode/choose/arms/batched.py)."""
     for a in arms:
         if not (getattr(a, "free_counterfactual", False) or drafts_batched(a)):
             raise _not_batchable(a.label)
@@ -134,7 +134,7 @@ def check_batch_arm_specs(specs: list[str]) -> None:
         name, params = parse_spec(spec)
         if name in MODEL_FREE:
             continue
-        if name in ("eagle", "drafter"):  # chains: no tree, one chain, no counterfactual drafts
+        if name in ("eagle", "drafter", "early_exit"):  # chains: no tree, one chain, no counterfactual drafts
             typed = ARMS.check(name, spec, 1, params)
             if typed.get("tree", "chain") == "chain" and typed.get("K", 1) == 1 and not typed.get("counterfactual"):
                 continue
@@ -271,11 +271,13 @@ class BatchEngine:
 
     ``make_arms()`` builds one row's arm instances (every row gets its own: model-free arms keep per-sequence
     state); ``make_policy(K)`` one row's policy over them; ``length``: ``fixed``, ``cost`` (joint K),
-    ``schedule:…`` or ``ema:…``; ``cost``: the forward-cost curve to learn into (shared across engines)."""
+    ``schedule:…`` or ``ema:…``; ``cost``: the forward-cost curve to learn into (shared across engines);
+    ``stock_model``: the target as loaded, when ``model`` runs packed linears (the arms' modules are then packed
+    the same way, the stock target's never)."""
 
     def __init__(self, model, make_arms: Callable[[], list[Arm]], make_policy: Callable[[int], Policy],
                  verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 32,
-                 length: str = "fixed", cost: CostCurve | None = None):
+                 length: str = "fixed", cost: CostCurve | None = None, stock_model=None):
         self.length, self.schedule, self.tiers = parse_length(length)
         self.ema_accepted: float | None = None  # accepted drafts per row-round, smoothed (length=ema)
         # t(n): seconds of a forward scoring n positions in all (B rows × W), per context bucket; pass one curve to
@@ -297,7 +299,10 @@ class BatchEngine:
         self._next = 0
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.packed = any(isinstance(m, PackedLinear) for m in model.modules())  # the target runs oneDNN linears
+        # the target runs oneDNN-packed linears: the arms' modules are packed too, never the stock target's own
+        # (``stock_model``, whose layers an early-exit stack runs; unknown = arms' modules stay as they are)
+        self.packed = any(isinstance(m, PackedLinear) for m in model.modules()) and stock_model is not None
+        self.stock_model = stock_model
         check_batchable(make_arms())
 
     # ---- rows join and leave ------------------------------------------------------------------------------
@@ -355,7 +360,7 @@ class BatchEngine:
         if key not in self.drafters:
             drafter = arm.batch_drafter(len(self.rows), self.compact_slack)
             if self.packed:
-                pack_arm_linears([drafter], self.model)  # the modules it drafts with (a head, a drafter LM)
+                pack_arm_linears([drafter], self.stock_model)  # the modules it drafts with (a head, a drafter LM)
             self.drafters[key] = drafter
         return self.drafters[key]
 

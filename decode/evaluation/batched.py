@@ -3,7 +3,8 @@ the suite with B sequences in flight and the report gives, per method and B, goo
 whole batch per second), per-request latency p50/p95, MAT (tokens per target forward per row) and how many rows
 equal their own plain greedy decoding, with a figure of goodput against B.
 
-Methods (decode/engine/batch.py; ``--arms`` must batch: model-free arms, EAGLE and drafter chains):
+Methods (decode/engine/batch.py; ``--arms`` must batch: model-free arms; chains of EAGLE heads, drafters and
+early-exit layers):
 
 * ``hf``: HF ``generate`` on groups of B prompts, left-padded (the plain baseline at that B: static batches);
 * ``batch:none``: our batched rounds without speculation;
@@ -140,7 +141,7 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
         return BatchEngine(run, lambda: [build_arm(s, env) for s in m.arms],
                            lambda K: build_policy(m.policy, K, longest[m.name], seed=next(seeds)),
                            Verifier(sampling, cfg.verifier, torch.Generator().manual_seed(seed)), eos,
-                           pad_id=pad, length=m.length, cost=costs[m.name])
+                           pad_id=pad, length=m.length, cost=costs[m.name], stock_model=model)
 
     todo = [(B, si, m.name) for B in cfg.batch for si in range(len(_segments(len(prompts), B))) for m in methods
             if (B, si, m.name) not in done]

@@ -204,8 +204,8 @@ class EvalConfig:
         return cfg
 
     def check_batched(self) -> None:
-        """What a batched evaluation (--batch) takes: arms that batch (model-free, EAGLE and drafter chains), no peers,
-        length controller, traces or compiling, and valid schedule and EMA tiers."""
+        """What a batched evaluation (--batch) takes: arms that batch (model-free; chains of EAGLE heads, drafters and
+        early-exit layers), no peers, length controller, traces or compiling, and valid schedule and EMA tiers."""
         from ..engine.batch import parse_length
         for name, on in (("--peers", bool(self.peers)), ("--length", bool(self.length)),
                          ("--record-traces", bool(self.record_traces)), ("--compile", self.compile)):

@@ -27,7 +27,7 @@ from ..heads.common import check_head_folder
 from ...core.sampling import SamplingConfig
 from ...common.specs import Range
 from .base import ArmEnv, register
-from .model import DrafterModelArm
+from .model import DrafterBatch, DrafterModelArm
 
 
 class EarlyExitArm(DrafterModelArm):
@@ -68,6 +68,9 @@ class EarlyExitArm(DrafterModelArm):
         if hidden is not None and len(hidden):
             self.target_hidden = hidden.final[-1].float()
 
+    def batch_drafter(self, rows: int, compact_slack: int):
+        return EarlyExitBatch(self.model, rows, compact_slack)
+
     def calibration_features(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(H_t^(T), H_{t+i}^(D)) for the i-th (1-based) token of the draft being built."""
         if self.target_hidden is None:
@@ -76,9 +79,21 @@ class EarlyExitArm(DrafterModelArm):
         return self.target_hidden, self.draft_hidden[i - 1]
 
 
+class EarlyExitBatch(DrafterBatch):
+    """The early-exit path drafted for every row of a batched engine (decode/choose/arms/batched.py): the head's
+    stack (the target's first N layers + the exit layer + its norm) holds each row's committed tokens; logits from
+    its own LM head (over its draft vocabulary, if it has one)."""
+
+    def __init__(self, head: EarlyExitDrafter, rows: int = 0, compact_slack: int = 32):
+        super().__init__(head, None, rows, compact_slack)
+
+    def _logits(self, out):
+        return self.model.full_logits(self.model.lm_head(out))
+
+
 @register("early_exit", check=lambda typed: check_head_folder(typed["path"], expect="early_exit"))
 def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None):
-    head = load_head(path, env.target_model, expect="early_exit")
+    head = env.once(("early_exit", path), lambda: load_head(path, env.target_model, expect="early_exit"), path=path)
     if env.target is not None:
         env.target.want_hidden = True
     return EarlyExitArm(head, env.sampling, L, env.generator, label=name, target=env.target, cache=env.cache)

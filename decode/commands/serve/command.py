@@ -5,7 +5,8 @@ restarts (its state is saved to --state-file after every request and on shutdown
 Defaults: the trained pool that ships for the default target (recipes/pools/pretrained.yaml) under the
 per-round router (router:carry=true); other targets get the model-free arms pld:L=4 and suffix:L=6. Requests
 wait in a fair first-come queue. With --max-batch B > 1 up to B of them decode together, continuously batched
-(decode/engine/batch.py: model-free arms, EAGLE and drafter chains); with B = 1 one at a time.
+(decode/engine/batch.py: model-free arms; chains of EAGLE heads, drafters and early-exit layers); with B = 1 one
+at a time.
 --max-batch auto measures B at start when the arms and policy batch, else serves one at a time and says why.
 Stop with Ctrl-C.
 """
@@ -58,8 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", default="auto",
                    help="requests decoded together, continuously batched (1 = one at a time). auto: measured at "
                         "start (the largest batch up to 16 whose one-token forward still gains >= 15%% throughput "
-                        "over half as many rows) when the arms batch (model-free arms, EAGLE and drafter chains: the "
-                        "shipped pool does), else 1 (default: %(default)s)")
+                        "over half as many rows) when the arms batch (model-free arms; chains of EAGLE heads, "
+                        "drafters and early-exit layers: the shipped pool does), else 1 (default: %(default)s)")
     p.add_argument("--batch-length", default="cost",
                    help="draft lengths of batched rounds: cost (chosen jointly for the batch from the learnt cost "
                         "of its block: speculation backs off as the batch grows), fixed (each arm's L), "
@@ -139,8 +140,9 @@ def max_batch(args) -> int | None:
 
 
 def resolve_batching(args, engine, err) -> tuple[int, str]:
-    """(the batch size to serve with, how it was chosen). Batched rounds take model-free arms, EAGLE and drafter chains;
-    --max-batch B > 1 with others is an error saying so, auto serves them one at a time (and says why)."""
+    """(the batch size to serve with, how it was chosen). Batched rounds take model-free arms and chains of EAGLE
+    heads, drafters and early-exit layers; --max-batch B > 1 with others is an error saying so, auto serves them
+    one at a time (and says why)."""
     from ...engine.batch import check_batchable, probe_batch_size
 
     asked = max_batch(args)
@@ -224,7 +226,8 @@ def batch_engine(args, specs: list[str], model, tok, engine):
 
     batch = BatchEngine(engine.target.model, make_arms,
                         lambda K: build_policy(args.policy, K, engine.max_len, seed=args.seed), engine.verifier,
-                        engine.eos, pad_id=pad_token_id(tok, sorted(engine.eos)), length=args.batch_length)
+                        engine.eos, pad_id=pad_token_id(tok, sorted(engine.eos)), length=args.batch_length,
+                        stock_model=model)
     warm = encode_prompt(tok, "Hello")
     batch.generate([warm, warm], 4)
     return batch, make_arms
