@@ -103,5 +103,31 @@ def test_the_report_compares_the_adaptive_method_with_the_best_baseline():
     assert cells["batch:none"]["lossless_rows"] == 1
     assert cells["batch:none"]["differs_at"] == [{"prompt_id": "b", "position": 7, "top2_margin": 0.0001}]
     assert r["summary"]["2"]["best_baseline"] == "batch:none"
-    assert r["summary"]["2"]["batch:ucbspec+cost"] == {"vs_best_baseline": 1.25, "vs_hf": 2.5}
+    assert r["summary"]["2"]["batch:ucbspec+cost"] == {"vs_best_baseline": 1.25, "vs_hf": 2.5,
+                                                        "vs_best_baseline_per_pass": [1.25]}
     assert SEGMENT >= 1
+    # a second pass over the suite (--batch-repeat 2) in which the machine ran slower for the adaptive method
+    records += [{"B": 2, "segment": 1, "pass": 1, "method": "hf", "seconds": 2.0, "rows": rows(8, 1.0)},
+                {"B": 2, "segment": 1, "pass": 1, "method": "batch:none", "seconds": 1.0, "rows": rows(8, 0.5)},
+                {"B": 2, "segment": 1, "pass": 1, "method": "batch:ucbspec+cost", "seconds": 1.6, "rows": rows(8, 0.8)}]
+    r = build_batch_report(header, records)
+    cost = r["results"]["2"]["batch:ucbspec+cost"]
+    assert cost["goodput_per_pass"] == [20, 10] and cost["goodput"] == pytest.approx(32 / 2.4) and cost["rows"] == 4
+    assert r["summary"]["2"]["batch:ucbspec+cost"]["vs_best_baseline_per_pass"] == [1.25, 0.625]
+
+
+def test_repeated_passes_over_the_suite(tiny_target_dir, tmp_path):
+    out = tmp_path / "report.json"
+    assert main(["eval", "--target", tiny_target_dir, "--batch", "2", "--batch-repeat", "2", "--limit", "1",
+                 "--max-new-tokens", "6", "--categories", "chat,code", "--policies", "ucbspec", "--out", str(out),
+                 "--no-progress", "--no-plots"]) == 0
+    report = json.loads(out.read_text())
+    for c in report["results"]["2"].values():
+        assert c["rows"] == 4 and len(c["goodput_per_pass"]) == 2 and all(g > 0 for g in c["goodput_per_pass"])
+    assert len(report["summary"]["2"]["batch:ucbspec+cost"]["vs_best_baseline_per_pass"]) == 2
+    assert "goodput per pass" in out.with_suffix(".md").read_text()
+    records = [json.loads(x) for x in out.with_name("records.jsonl").read_text().splitlines()]
+    assert {(r["segment"], r["pass"]) for r in records if "segment" in r} == {(0, 0), (1, 1)}
+    with pytest.raises(UserError, match="--batch-repeat must be an integer >= 1"):
+        from decode.evaluation.eval_config import EvalConfig
+        EvalConfig(batch_repeat=0).check_ranges()

@@ -87,9 +87,12 @@ def batch_methods(cfg) -> list[BatchMethod]:
     return methods
 
 
-def _segments(n: int, B: int) -> list[list[int]]:
+def _segments(n: int, B: int, repeat: int = 1) -> list[list[int]]:
+    """The prompt indices of each segment at batch size B: the suite cut into 4·B prompts, ``repeat`` passes over
+    it (segment ``si`` belongs to pass ``si // (segments per pass)``)."""
     size = SEGMENT * B
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    one = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    return one * repeat
 
 
 def _record_key(r: dict) -> tuple:
@@ -143,7 +146,7 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
                            Verifier(sampling, cfg.verifier, torch.Generator().manual_seed(seed)), eos,
                            pad_id=pad, length=m.length, cost=costs[m.name], stock_model=model)
 
-    todo = [(B, si, m.name) for B in cfg.batch for si in range(len(_segments(len(prompts), B))) for m in methods
+    todo = [(B, si, m.name) for B in cfg.batch for si in range(len(_segments(len(prompts), B, cfg.batch_repeat))) for m in methods
             if (B, si, m.name) not in done]
     log = JsonlLog(cfg.records_path, keep_bytes=good if records else 0)
     try:
@@ -164,7 +167,8 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
             engine(methods[1], 0).generate(encoded[:2], warm)
         bar = tqdm(total=len(todo), desc="eval --batch", unit="run", disable=cfg.no_progress)
         for B in cfg.batch:
-            for si, seg in enumerate(_segments(len(prompts), B)):
+            per_pass = len(_segments(len(prompts), B))
+            for si, seg in enumerate(_segments(len(prompts), B, cfg.batch_repeat)):
                 for name in rotated(names, si + cfg.batch.index(B)):
                     if (B, si, name) in done:
                         continue
@@ -173,7 +177,7 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
                     torch.manual_seed(seed)  # HF generate samples from the global generator
                     rows, seconds = _decode(m, engine(m, seed) if m.kind != "hf" else None, model,
                                             [encoded[i] for i in seg], B, cfg.max_new_tokens, sampling, eos, pad)
-                    rec = {"B": B, "segment": si, "method": name, "seconds": seconds,
+                    rec = {"B": B, "segment": si, "pass": si // per_pass, "method": name, "seconds": seconds,
                            "rows": [{"prompt_id": prompts[i].id, **r} for i, r in zip(seg, rows)]}
                     log.append(rec)
                     records.append(rec)
@@ -258,10 +262,13 @@ def build_batch_report(header: dict, records: list[dict], margins: dict | None =
         cell = results.setdefault(str(r["B"]), {}).setdefault(r["method"], {"tokens": 0, "seconds": 0.0,
                                                                            "latency": [], "forwards": 0,
                                                                            "rows": 0, "lossless_rows": 0,
-                                                                           "differs_at": []})
+                                                                           "differs_at": [], "passes": {}})
         cell["seconds"] += r["seconds"]
+        one_pass = cell["passes"].setdefault(r.get("pass", 0), [0, 0.0])  # [tokens, seconds] of each pass
+        one_pass[1] += r["seconds"]
         for row in r["rows"]:
             cell["tokens"] += len(row["token_ids"])
+            one_pass[0] += len(row["token_ids"])
             cell["latency"].append(row["latency"])
             cell["forwards"] += row["forwards"]
             cell["rows"] += 1
@@ -285,7 +292,8 @@ def build_batch_report(header: dict, records: list[dict], margins: dict | None =
                             "p95": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else 0.0,
                             "mat": c["tokens"] / c["forwards"] if c["forwards"] else 0.0,
                             "tokens": c["tokens"], "seconds": c["seconds"], "rows": c["rows"],
-                            "lossless_rows": c["lossless_rows"] if refs else None, "differs_at": c["differs_at"]}
+                            "lossless_rows": c["lossless_rows"] if refs else None, "differs_at": c["differs_at"],
+                            "goodput_per_pass": [t / s if s else 0.0 for _, (t, s) in sorted(c["passes"].items())]}
     summary = {}
     for B, cells in out.items():
         base = [v["goodput"] for k, v in cells.items() if not k.endswith("+cost")]
@@ -294,25 +302,41 @@ def build_batch_report(header: dict, records: list[dict], margins: dict | None =
                                            key=lambda k: cells[k]["goodput"], default=None),
                       **{k: {"vs_best_baseline": v["goodput"] / best if best else None,
                              "vs_hf": v["goodput"] / cells[HF]["goodput"] if HF in cells and cells[HF]["goodput"]
-                             else None}
+                             else None,
+                             "vs_best_baseline_per_pass": _per_pass_ratio(v, [b for n, b in cells.items()
+                                                                             if not n.endswith("+cost")])}
                          for k, v in cells.items() if k.endswith("+cost")}}
     return {"schema": SCHEMA, "config": header["config"], "environment": header.get("environment"),
             "linear": header.get("linear"), "methods": order, "prompts": len(header["prompts"]),
             "results": out, "summary": summary}
 
 
+def _per_pass_ratio(cell: dict, baselines: list[dict]) -> list[float | None]:
+    """Per pass over the suite: the method's goodput ÷ the best baseline's in that same pass (a pass is a sample of
+    the machine's noise: the spread of these ratios is what a difference between methods is read against)."""
+    out = []
+    for p, g in enumerate(cell["goodput_per_pass"]):
+        best = max((b["goodput_per_pass"][p] for b in baselines if p < len(b["goodput_per_pass"])), default=0.0)
+        out.append(g / best if best else None)
+    return out
+
+
 def batch_table(report: dict) -> str:
     """The markdown table: one row per (method, B)."""
-    lines = ["| method | B | goodput tok/s | × hf | p50 s | p95 s | MAT | rows = plain greedy |",
-             "|---|---|---|---|---|---|---|---|"]
+    passes = max((len(c.get("goodput_per_pass", ())) for cells in report["results"].values()
+                  for c in cells.values()), default=1)
+    extra = (" goodput per pass |", "---|") if passes > 1 else ("", "")
+    lines = ["| method | B | goodput tok/s | × hf | p50 s | p95 s | MAT | rows = plain greedy |" + extra[0],
+             "|---|---|---|---|---|---|---|---|" + extra[1]]
     for B, cells in report["results"].items():
         hf = cells.get(HF, {}).get("goodput")
         for name, c in cells.items():
             same = "—" if c["lossless_rows"] is None else f"{c['lossless_rows']}/{c['rows']}"
+            per = f" {' / '.join(f'{g:.1f}' for g in c.get('goodput_per_pass', ()))} |" if passes > 1 else ""
             lines.append(f"| {name} | {B} | {c['goodput']:.1f} | {c['goodput'] / hf:.2f} | {c['p50']:.2f} | "
-                         f"{c['p95']:.2f} | {c['mat']:.2f} | {same} |" if hf else
+                         f"{c['p95']:.2f} | {c['mat']:.2f} | {same} |{per}" if hf else
                          f"| {name} | {B} | {c['goodput']:.1f} | — | {c['p50']:.2f} | {c['p95']:.2f} | "
-                         f"{c['mat']:.2f} | {same} |")
+                         f"{c['mat']:.2f} | {same} |{per}")
     env = report.get("environment") or {}
     cfg = report["config"]
     lines += ["", f"{report['prompts']} prompts, {cfg['max_new_tokens']} new tokens, "
@@ -321,8 +345,11 @@ def batch_table(report: dict) -> str:
     for B, s in report["summary"].items():
         for name, v in s.items():
             if name != "best_baseline" and v["vs_best_baseline"] is not None:
+                per = v.get("vs_best_baseline_per_pass") or []
                 lines.append(f"B={B}: {name} at {v['vs_best_baseline']:.2f}× the best baseline ({s['best_baseline']})"
-                             + (f", {v['vs_hf']:.2f}× hf" if v["vs_hf"] else ""))
+                             + (f", {v['vs_hf']:.2f}× hf" if v["vs_hf"] else "")
+                             + (f"; per pass {' / '.join('—' if x is None else f'{x:.2f}' for x in per)}"
+                                if len(per) > 1 else ""))
     for B, cells in report["results"].items():
         for name, c in cells.items():
             for d in c["differs_at"]:

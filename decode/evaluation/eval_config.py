@@ -161,6 +161,7 @@ class EvalConfig:
     batch: list[int] | None = None
     batch_schedule: str = "1-2=4,3-4=2,5-=1"
     batch_ema: str = "1,2,4"
+    batch_repeat: int = 1  # passes over the suite per batch size (each a sample of the machine's noise)
     # outputs and presentation (NOT_RESULTS)
     out: str = "runs/eval/report.json"
     record_traces: str | None = None
@@ -224,7 +225,8 @@ class EvalConfig:
     def check_ranges(self) -> None:
         """One-line errors naming the flag and its valid range (NaN/inf included)."""
         ints = [("--max-new-tokens", self.max_new_tokens, 1, None), ("--limit", self.limit, 1, None),
-                ("--top-k", self.top_k, 0, None), ("--seed", self.seed, 0, MAX_SEED)]
+                ("--top-k", self.top_k, 0, None), ("--seed", self.seed, 0, MAX_SEED),
+                ("--batch-repeat", self.batch_repeat, 1, None)]
         for name, v, lo, hi in ints:
             if v is not None and (v < lo or (hi is not None and v > hi)):
                 rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"

@@ -74,11 +74,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "batched, our batched rounds without speculation, with each arm fixed, with the first arm under "
                         "--batch-schedule and --batch-ema, and each policy choosing per sequence with lengths from "
                         "the batch's cost; goodput, latency p50/p95, MAT and lossless rows per method and B, and a "
-                        "figure of goodput against B. Model-free arms (e.g. --batch 1,2,4,8)")
+                        "figure of goodput against B. Arms that batch: model-free ones and chains of EAGLE heads, "
+                        "drafters and early-exit layers (e.g. --batch 1,2,4,8)")
     p.add_argument("--batch-schedule", default="1-2=4,3-4=2,5-=1",
                    help="the vLLM-style baseline's draft length per batch size range (default: %(default)s)")
     p.add_argument("--batch-ema", default="1,2,4",
                    help="the SGLang-style baseline's draft-length tiers (default: %(default)s)")
+    p.add_argument("--batch-repeat", type=int, default=1,
+                   help="passes over the suite per batch size, interleaved like its segments: the report gives each "
+                        "method's goodput per pass beside the total, so differences can be read against the "
+                        "machine's noise (default: %(default)s)")
     p.add_argument("--out",
                    help="report JSON file (the markdown table is written beside it with the suffix .md, the "
                         "records as they finish into records.jsonl, or NAME.records.jsonl for --out NAME.json); "
