@@ -45,6 +45,11 @@ VOCAB_CHOICES = "auto|none|PATH"
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
+def logit_transforms(config) -> list[str]:
+    """The config fields by which an LM's logits are more than its hidden state times the LM head (empty: none)."""
+    return [k for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -93,7 +98,7 @@ class DraftVocabLM(DraftVocabMixin, nn.Module):
             raise UserError(f"the draft vocabulary indexes {vocab.vocab_size} tokens but the drafter has {V}; "
                             f"build it for this drafter's target (or pass vocab=none)")
         config = getattr(model, "config", None)
-        odd = [k for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
+        odd = logit_transforms(config)
         if odd:
             raise UserError(f"this drafter transforms its logits beyond the LM head ({', '.join(odd)}); a draft "
                             f"vocabulary would change its distribution: pass vocab=none")
@@ -154,8 +159,7 @@ class DrafterModelArm(Arm):
     def batch_key(self):
         """Batched rounds draft the rows of one drafter model together (decode/choose/arms/batched.py): chains only
         (K sampled chains are serial), and LM heads that are a matrix product (no soft-capping or scaling)."""
-        config = getattr(self.model, "config", None)
-        if self.K > 1 or any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_TRANSFORMS):
+        if self.K > 1 or logit_transforms(getattr(self.model, "config", None)):
             return None
         return "drafter", id(self.model), id(self.pruned)
 
