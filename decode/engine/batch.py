@@ -440,6 +440,8 @@ class BatchEngine:
         keep = torch.zeros(B, W, dtype=torch.bool)
         accepted = []
         step = self._one_step_seconds(B, context, seconds / W)
+        # each EAGLE head's rows of the target's hidden states, read out once for the batch
+        feats = {id(d): d.features(hidden) for d in self.drafters.values() if d.needs_hidden and hidden is not None}
         for b, (r, d, i) in enumerate(zip(self.rows, drafts, picks)):
             remaining = r.remaining
             outcome = r.verifier.verify(logits[b, :lens[b]].float(), d)
@@ -458,7 +460,8 @@ class BatchEngine:
                     a.observe(r.ctx, None)
             for drafter in {id(d): d for d in r.drafters.values()}.values():  # once each, however many arms use it
                 # (an EAGLE head: the target's features at the positions that produced the new tokens)
-                drafter.observe(b, drafter.features(hidden)[b, :len(new)] if drafter.needs_hidden else None, new)
+                f = feats.get(id(drafter))
+                drafter.observe(b, None if f is None else f[b, :len(new)], new)
             # a row's share of the round: its part of the drafting and of the block's forward; its step the
             # batch's one-token forward per row (so a throughput reward sees what a token costs at this load)
             rec = RoundRecord(arm=i, drafted=len(d), accepted=min(outcome.accepted, len(new)), new_tokens=len(new),
@@ -536,17 +539,12 @@ class BatchEngine:
 
     def _propose_batched(self, picks: list[int], caps: list[int], drafts: list[Draft | None]) -> None:
         """Fill ``drafts[b]`` (None) of the rows whose chosen arm drafts batched: one call per module, its rows
-        together (a module whose rows all have cap 0 does not run)."""
-        groups: dict[int, list[int]] = {}  # id(drafter) -> rows drafting with it
+        together."""
+        groups: dict[int, tuple[BatchDrafter, list[int]]] = {}  # id(drafter) -> it and the rows drafting with it
         for b, (r, i) in enumerate(zip(self.rows, picks)):
             if drafts[b] is None:
-                groups.setdefault(id(r.drafters[i]), []).append(b)
-        for rows in groups.values():
-            if not any(caps[b] for b in rows):
-                for b in rows:
-                    drafts[b] = Draft.empty()
-                continue
-            d = self.rows[rows[0]].drafters[picks[rows[0]]]
+                groups.setdefault(id(r.drafters[i]), (r.drafters[i], []))[1].append(b)
+        for d, rows in groups.values():
             out = d.propose(rows, [caps[b] for b in rows], [self.rows[b].arms[picks[b]] for b in rows])
             for b, draft in zip(rows, out):
                 drafts[b] = draft

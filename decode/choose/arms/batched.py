@@ -161,9 +161,12 @@ class BatchDrafter:
     @torch.inference_mode()
     def propose(self, rows: list[int], caps: list[int], arms: list) -> list[Draft]:
         """Chains of up to ``caps[k]`` tokens for the rows ``rows[k]``, each drafted under its arm's sampling and
-        generator; a row with nothing to draft from yet gets an empty draft."""
-        self.catch_up()
+        generator; a row with nothing to draft from yet gets an empty draft. Nothing runs when every cap is 0 (the
+        pending entries wait for a round that drafts)."""
         drafts = [Draft.empty() for _ in rows]
+        if not any(caps):
+            return drafts
+        self.catch_up()
         live = [k for k, (b, c) in enumerate(zip(rows, caps)) if c > 0 and self.after[b] is not None]
         if not live:
             return drafts
