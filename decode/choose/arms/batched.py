@@ -24,6 +24,7 @@ joining row's prefill feeds (:meth:`_prefill`).
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from ...core.draft import Draft
 from ...core.row_cache import RowCache
@@ -90,8 +91,6 @@ class BatchDrafter:
     def add_row(self, prompt: list[int] | None, feats: torch.Tensor | None) -> None:
         """Append a row, prefilled alone. ``prompt`` None: a row that does not draft with this module. ``feats``:
         the target's rows at the prompt's cached positions 0..P-2 (``needs_hidden`` drafters; None otherwise)."""
-        from transformers import DynamicCache
-
         self.used.append(prompt is not None)
         self.pending.append([])
         self.after.append(None)
