@@ -72,6 +72,46 @@ def test_other_conditions_are_refused_naming_the_field(runs, tiny_target_dir, tm
     assert len(load_answers(tmp_path / "a", "math")) == 2  # nothing written
 
 
+def test_a_prompt_limit_is_not_a_condition_and_an_older_record_with_one_still_matches(runs, tiny_target_dir,
+                                                                                       tmp_path):
+    """The prompt limit only skips prompts: runs under two limits merge, and their shared prompts' answers agree."""
+    root, two, _ = runs
+    export_answers([two], tmp_path / "a", eval_files=[])
+    rec = json.loads((tmp_path / "a" / RECORD).read_text())
+    assert "max_prompt_tokens" not in rec["tasks"]["math"]["conditions"]["generation"]
+    rec["tasks"]["math"]["conditions"]["generation"]["max_prompt_tokens"] = 1024  # as records before it wrote
+    (tmp_path / "a" / RECORD).write_text(json.dumps(rec))
+    limited = _distill(root, tiny_target_dir, 3, "generation.max_prompt_tokens=200")  # the same first prompts
+    export_answers([limited], tmp_path / "a", eval_files=[])
+    rows = {r["id"]: r for r in load_answers(tmp_path / "a", "math")}
+    assert len(rows) == 3
+    from toolkit.distill import load_distilled
+    for r in load_distilled(limited):
+        assert rows[r["id"]]["response_ids"] == r["response_ids"]
+
+
+def test_a_stopped_distillation_ships_its_finished_shards_only_when_asked(runs, tiny_target_dir, tmp_path):
+    import shutil
+    root, _, four = runs
+    stopped = tmp_path / "stopped"
+    shutil.copytree(four, stopped)
+    mf = stopped / "manifest.json"
+    m = json.loads(mf.read_text())
+    m.update(status="running", completed_shards=1)
+    mf.write_text(json.dumps(m))
+    (stopped / "shards" / "shard-00001.parquet").unlink()  # stopped while writing its second shard
+    with pytest.raises(UserError, match=r"unfinished \(1/2 shards\).*--partial"):
+        export_answers([stopped], tmp_path / "a", eval_files=[])
+    assert not (tmp_path / "a" / RECORD).exists()
+    export_answers([stopped], tmp_path / "a", eval_files=[], partial=True)
+    rows = load_answers(tmp_path / "a", "math")
+    assert len(rows) == 2
+    run = json.loads((tmp_path / "a" / RECORD).read_text())["tasks"]["math"]["runs"][0]
+    assert run["partial"] == "1/2 shards" and run["rows_added"] == 2
+    export_answers([four], tmp_path / "a", eval_files=[])  # the finished rerun extends it
+    assert len(load_answers(tmp_path / "a", "math")) == 4
+
+
 def test_unfinished_or_missing_folders_and_a_damaged_file_are_clear_errors(runs, tmp_path):
     _, two, _ = runs
     with pytest.raises(UserError, match="manifest.json missing"):

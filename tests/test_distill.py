@@ -362,6 +362,27 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, tiny, 
     assert got == want  # sampled rows too: seeds are per batch, not per session
 
 
+def test_a_time_budget_stops_between_shards_and_the_same_command_continues(tmp_path, tiny, tiny_target_dir):
+    """max_minutes: the session ends after the shard in progress, the manifest says stopped, the finished shards
+    read with allow_partial, and a rerun (any budget: it is not part of the run's identity) completes the plan."""
+    model, tok = tiny
+    f = write_jsonl(tmp_path / "p.jsonl", [{"q": f"Budget prompt {i} " + "word " * i} for i in range(6)])
+    ref = distill(tiny_recipe(tmp_path / "ref", tiny_target_dir, f), model=model, tokenizer=tok, progress=False)
+    m = distill(tiny_recipe(tmp_path / "run", tiny_target_dir, f, "max_minutes=1e-9"), model=model, tokenizer=tok,
+                progress=False)
+    assert m["status"] == "stopped" and m["completed_shards"] == 1 and m["shards"] == 4
+    assert m["counts"]["rows"] == 3
+    with pytest.raises(UserError, match="unfinished"):
+        load_distilled(m["recipe"]["out"])
+    assert len(load_distilled(m["recipe"]["out"], allow_partial=True, include_filtered=True)) == 3
+    m = distill(tiny_recipe(tmp_path / "run", tiny_target_dir, f, "max_minutes=60"), model=model, tokenizer=tok,
+                progress=False)
+    assert m["status"] == "complete" and m["counts"]["rows"] == 12
+    assert load_rows(m["recipe"]["out"]) == load_rows(ref["recipe"]["out"])
+    with pytest.raises(UserError, match="max_minutes must be > 0"):
+        tiny_recipe(tmp_path / "bad", tiny_target_dir, f, "max_minutes=0")
+
+
 def test_resume_after_sigkill(tmp_path, tiny, tiny_target_dir):
     """A real kill -9 of the CLI in the middle of a run; the rerun completes without duplicates or losses."""
     model, tok = tiny

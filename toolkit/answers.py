@@ -7,13 +7,17 @@ rows (those no filter flagged). ``FOLDER`` holds one ``<task>.jsonl.gz`` per tas
 ``prompt_ids``, ``response_ids``, ``temperature``, ``finish_reason`` — sorted by id, gzip without a timestamp (the
 same rows give the same bytes, so git stores a rerun as no change) — and ``answers.json``, the run record: per task
 the rows, answer tokens, the generation conditions the rows share (target, dtype, template, answer length,
-sampling, prompt limit, filters) and the distillation folders and commands they came from.
+sampling, filters) and the distillation folders and commands they came from. The prompt limit
+(``generation.max_prompt_tokens``) is not a condition: it only skips prompts, and a prompt within two limits gets the
+same answer under both.
 
 Running it again with more folders *extends* the artifact: rows are merged by id (a row already shipped is kept),
 and a folder distilled under other conditions than the rows already there is refused, naming the field. Before
 anything is written, every row's prompt is checked against the evaluation questions (``--eval-files``: Spec-Bench
 dev and the GSM8K test split by default) with the distiller's own leakage index; leaking rows are dropped and
-counted. The artifact must stay small enough to ship (``--max-mb``, default 25).
+counted. The artifact must stay small enough to ship (``--max-mb``, default 25). ``--partial`` also takes the
+finished shards of a distillation that was stopped (a time limit, a lost machine); its run entry says so, and
+rerunning that distillation finishes it.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ COLUMNS = ("id", "task", "source", "prompt", "prompt_ids", "response_ids", "temp
 EVAL_FILES = ("../shared/data/spec_bench/question_dev.jsonl", "../shared/data/gsm8k/test.jsonl")
 # the recipe fields every row of one task's file must share: they change what an answer is
 CONDITION_KEYS = ("target", "dtype", "template", "filters")
-GENERATION_KEYS = ("max_new_tokens", "top_k", "top_p", "max_prompt_tokens")
+GENERATION_KEYS = ("max_new_tokens", "top_k", "top_p")  # not max_prompt_tokens: it skips prompts, never changes an answer
 
 
 def conditions(manifest: dict) -> dict:
@@ -46,6 +50,19 @@ def conditions(manifest: dict) -> dict:
     gen = recipe.get("generation") or {}
     out["generation"] = {k: gen.get(k) for k in GENERATION_KEYS}
     return out
+
+
+def comparable(cond: dict) -> dict:
+    """``cond`` (this module's :func:`conditions`, or one an older record wrote) cut to the fields compared today:
+    records written when the prompt limit was a condition still match."""
+    out = {k: cond.get(k) for k in CONDITION_KEYS}
+    out["generation"] = {k: (cond.get("generation") or {}).get(k) for k in GENERATION_KEYS}
+    return out
+
+
+def differences(here: dict, there: dict) -> list[str]:
+    """The fields in which two runs' conditions differ, each as ``field (there, here)``."""
+    return _differences(comparable(here), comparable(there))
 
 
 def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
@@ -123,9 +140,9 @@ def _write_bytes(path: Path, data: bytes) -> int:
 
 def export_answers(dirs: list[str | os.PathLike], out: str | os.PathLike, *,
                    eval_files: tuple[str, ...] | list[str] = EVAL_FILES, max_mb: float = 25.0,
-                   command: str | None = None) -> dict:
+                   command: str | None = None, partial: bool = False) -> dict:
     """Merge the kept rows of finished distillation folders ``dirs`` into the answers folder ``out`` (created or
-    extended); returns its run record."""
+    extended); returns its run record. ``partial``: a stopped distillation's finished shards count too."""
     from .data.leakage import EvalIndex
     from .distill import load_distilled
 
@@ -146,11 +163,17 @@ def export_answers(dirs: list[str | os.PathLike], out: str | os.PathLike, *,
             raise UserError(f"{mf}: names no task")
         cond = conditions(manifest)
         entry = record["tasks"].setdefault(task, {"conditions": cond, "runs": [], "rows": 0})
-        diffs = _differences(entry["conditions"], cond)
+        diffs = differences(cond, entry["conditions"])
         if diffs:
             raise UserError(f"{d}: distilled under other conditions than the {task} answers in {out}: "
                             f"{'; '.join(diffs)}; export it to another folder")
-        rows = load_distilled(d)  # finished runs only; rows a filter flagged are left out
+        entry["conditions"] = comparable(entry["conditions"])
+        finished = manifest.get("status") == "complete"
+        if not finished and not partial:
+            raise UserError(f"{d}: the distillation is unfinished ({manifest.get('completed_shards')}/"
+                            f"{manifest.get('shards')} shards); rerun its command to finish it, or pass --partial "
+                            f"to ship its finished shards")
+        rows = load_distilled(d, allow_partial=partial)  # rows a filter flagged are left out
         seen = by_task.setdefault(task, {})
         added = leaked = 0
         for r in rows:
@@ -165,7 +188,9 @@ def export_answers(dirs: list[str | os.PathLike], out: str | os.PathLike, *,
                               "rows_added": added, "rows_leaking_dropped": leaked,
                               "finished_unix": (manifest.get("time") or {}).get("finished_unix"),
                               "device": (manifest.get("target") or {}).get("device"),
-                              "tokens_per_s": (manifest.get("throughput") or {}).get("tokens_per_s")})
+                              "tokens_per_s": (manifest.get("throughput") or {}).get("tokens_per_s"),
+                              **({} if finished else {"partial": f"{manifest.get('completed_shards')}/"
+                                                                 f"{manifest.get('shards')} shards"})})
         s = summary.setdefault(task, {"added": 0, "leaked": 0})
         s["added"] += added
         s["leaked"] += leaked
@@ -200,11 +225,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="evaluation question files no shipped prompt may overlap (13-word n-grams; "
                         "default: Spec-Bench dev and the GSM8K test split)")
     p.add_argument("--max-mb", type=float, default=25.0, help="largest artifact allowed, MiB (default 25)")
+    p.add_argument("--partial", action="store_true", help="also take the finished shards of a stopped "
+                                                          "distillation (rerunning it finishes it)")
 
 
 def run(args) -> int:
     command = "python -m toolkit answers " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else None
-    record = export_answers(args.dirs, args.out, eval_files=args.eval_files, max_mb=args.max_mb, command=command)
+    record = export_answers(args.dirs, args.out, eval_files=args.eval_files, max_mb=args.max_mb, command=command,
+                            partial=args.partial)
     for task, s in sorted(record["_summary"].items()):
         t = record["tasks"][task]
         print(f"{task}: +{s['added']} rows ({s['leaked']} dropped as leaking), {t['rows']} in all, "

@@ -12,13 +12,15 @@ Output (``out``, default ``runs/distill/<task>``):
   (temp file + ``os.replace``). A rerun skips finished shards, so an interrupted run resumes
   without duplicated or lost rows; sampled rows are seeded per batch, so a resumed run reproduces
   what an uninterrupted one would have written.
-* ``manifest.json``: recipe, target, prompt selection counts, filter counts, throughput, time, and
-  ``reuse`` (below).
+* ``manifest.json``: recipe, target, prompt selection counts, filter counts, throughput, time,
+  ``reuse`` (below) and ``status``: ``running`` while shards are written (or after a kill), ``stopped`` when the
+  ``max_minutes`` budget ended the session, ``complete``. Training reads an unfinished run's finished shards
+  only when asked (``allow_partial_data=true``); rerunning the same command continues it.
 
 Shipped answers (``reuse``, default ``auto``): before generating, the rows of an answers folder
 (:mod:`toolkit.answers`; ``auto`` = ``pretrained/<target>/answers`` when ``target`` is an alias and that folder
 exists) are taken instead of generated, when the folder's recorded conditions for the task (target, dtype,
-template, filters, answer length, sampling, prompt limit) equal this run's. A planned row is reused when its id
+template, filters, answer length, sampling; not the prompt limit, which only skips prompts) equal this run's. A planned row is reused when its id
 is shipped *and* the shipped prompt ids equal this run's rendering; the rest are generated as usual (rows a
 filter dropped or that leaked were not shipped, so they are generated). An explicit folder that is missing or
 differs is an error naming the fields; ``auto`` says on stderr why nothing is reused and generates; ``null``
@@ -120,9 +122,14 @@ class DistillRecipe:
     # an answers folder (toolkit answers) whose rows are taken instead of generated when its recorded conditions
     # match; auto = pretrained/<target>/answers for an alias target when it exists; null = generate every row
     reuse: str | None = "auto"
+    # time budget: once this many minutes have passed in this session, stop after the shard being generated; the
+    # manifest says "stopped" (finished shards are usable with allow_partial) and the same command continues it
+    max_minutes: float | None = None
 
     def __post_init__(self):
         check_device_spec(self.device, "device")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise UserError(f"max_minutes must be > 0 or null (no time budget), got {self.max_minutes}")
         if not self.task or not self.task.replace("_", "").replace("-", "").isalnum():
             raise UserError(f"task must be a short name like 'math', got {self.task!r}")
         if self.num_prompts is not None and self.num_prompts < 1:
@@ -303,6 +310,7 @@ def _fingerprint(recipe: DistillRecipe, units: list[Unit], prompt_ids: list[list
     # where rows may be copied from is not what they are: a reused row is the target's answer under the same
     # recorded conditions (checked before it is taken), so runs written before the field existed still resume
     d.pop("reuse", None)
+    d.pop("max_minutes", None)  # when a session stops, not what its rows are
     d["dtype"] = dtype_name(dtype)
     d["generation"].pop("threads", None)  # speed only: may change between sessions
     h = hashlib.sha256(json.dumps([FORMAT_VERSION, d], sort_keys=True).encode())
@@ -394,7 +402,7 @@ def _reuse_source(recipe: DistillRecipe, dtype: torch.dtype) -> ReuseSource:
     if entry is None:
         return cannot(f"no {recipe.task} answers there (it has {', '.join(sorted(record['tasks'])) or 'none'})")
     here = shipped_answers.conditions({"recipe": to_dict(recipe), "target": {"dtype": dtype_name(dtype)}})
-    diffs = shipped_answers._differences(here, entry.get("conditions") or {})
+    diffs = shipped_answers.differences(here, entry.get("conditions") or {})
     if diffs:
         if explicit:
             raise UserError(f"reuse={recipe.reuse}: its {recipe.task} answers were distilled under other conditions: "
@@ -490,6 +498,7 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
                                       "reuse": reuse_block()}, indent=2)
 
     pending = [k for k in range(n_shards) if k not in done]
+    stopped = False
     session_tokens, session_gen_s = 0, 0.0
     if pending and reuse.notice:
         print(reuse.notice, file=sys.stderr)
@@ -562,11 +571,15 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
                 done[k] = meta
                 atomic_write_json(manifest_path, {**base, "status": "running", "completed_shards": len(done),
                                                   "reuse": reuse_block()}, indent=2)
+                if (recipe.max_minutes is not None and len(done) < n_shards
+                        and time.time() - t_start >= recipe.max_minutes * 60):
+                    stopped = True
+                    break
         finally:
             bar.close()
             torch.set_num_threads(threads_before)
 
-    manifest = {**base, **_summarise(out, n_shards, done, recipe), "status": "complete",
+    manifest = {**base, **_summarise(out, done, recipe), "status": "stopped" if stopped else "complete",
                 "completed_shards": len(done), "reuse": reuse_block(),
                 "time": {"finished_unix": round(time.time(), 1), "this_session_seconds": round(time.time() - t_start, 2),
                          "this_session_generation_seconds": round(session_gen_s, 2),
@@ -595,12 +608,13 @@ def _reused_row(recipe, tokenizer, prompt, prompt_text, prompt_ids, unit: Unit, 
                 eos)
 
 
-def _summarise(out: Path, n_shards: int, done: dict, recipe: DistillRecipe) -> dict:
+def _summarise(out: Path, done: dict, recipe: DistillRecipe) -> dict:
+    """Counts and throughput over the finished shards ``done`` (every shard once a run is complete)."""
     import pyarrow.parquet as pq
 
     filtered, finish, per_temp = Counter(), Counter(), Counter()
     rows = kept = resp_tokens = 0
-    for k in range(n_shards):
+    for k in sorted(done):
         t = pq.read_table(_shard_path(out, k), columns=["filtered", "finish_reason", "temperature",
                                                         "response_tokens"]).to_pydict()
         rows += len(t["filtered"])
@@ -691,4 +705,8 @@ def run(args) -> int:
     print(f"distill {recipe.task}: {c['rows']} rows ({c['kept']} kept, filtered {m['filters']['dropped']}; "
           f"{reused}, {c['rows'] - ru['rows_reused']} generated), {c['response_tokens']} response tokens, "
           f"{speed} → {recipe.out_dir}", file=sys.stderr)
+    if m["status"] == "stopped":
+        print(f"distill {recipe.task}: stopped by max_minutes={recipe.max_minutes} after {m['completed_shards']}/"
+              f"{m['shards']} shards; the finished ones are usable (allow_partial_data=true); rerun the same "
+              f"command to continue", file=sys.stderr)
     return 0
