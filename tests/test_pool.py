@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.cli import main
-from toolkit.pool import BUDGETS, STATE, plan
+from toolkit.pool import _with, BUDGETS, STATE, plan
 
 SUITE = str(Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question_dev.jsonl")
 
@@ -59,7 +59,7 @@ def test_bad_input_fails_fast_and_dry_run_only_prints(tmp_path, capsys):
 def test_every_budget_plans_distill_train_pool_eval(name, tmp_path):
     stages = [n for n, _ in plan("t", name, tmp_path, SUITE)]
     assert stages[-2:] == ["pool-file", "eval"] and "train:eagle" in stages
-    assert sum(s.startswith("distill:") for s in stages) == len(BUDGETS[name].tasks)
+    assert sum(s.startswith("distill:") for s in stages) == len(BUDGETS[name].tasks) + len(BUDGETS[name].greedy)
 
 
 @pytest.mark.parametrize("name", list(BUDGETS))
@@ -70,6 +70,22 @@ def test_every_stage_command_sets_each_key_once(name, tmp_path):
         assert len(keys) == len(set(keys)), argv
     eagle = dict(plan("t", "medium", tmp_path, SUITE))["train:eagle"]
     assert "open_text.fraction=0.9" in eagle and "open_text.fraction=0.95" not in eagle
+
+
+def test_gpu_budget_warm_starts_only_from_a_shipped_head_of_its_layout(tmp_path, monkeypatch):
+    from toolkit import pool
+    monkeypatch.setattr(pool, "REPO_ROOT", tmp_path)
+    head = tmp_path / "pretrained" / "t" / "eagle" / "head.json"
+
+    def init_from():
+        return [a for a in dict(plan("t", "gpu", tmp_path, SUITE))["train:eagle"] if a.startswith("head.init_from=")]
+    assert init_from() == []  # nothing shipped
+    head.parent.mkdir(parents=True)
+    head.write_text(json.dumps({"kind": "eagle", "init": "identity"}))  # an EAGLE-1 head: not EAGLE-3's layout
+    assert init_from() == []
+    head.write_text(json.dumps({"kind": "eagle", "layer": "eagle3", "feature_layers": [2, 15, 27]}))
+    assert init_from() == [f"head.init_from={head.parent}"]
+    assert not any(a.startswith("head.init_from=") for a in dict(plan("t", "small", tmp_path, SUITE))["train:eagle"])
 
 
 def test_gpu_budget_runs_end_to_end_on_cpu_when_shrunk(smol_path, tmp_path, capsys, monkeypatch):
@@ -88,6 +104,9 @@ def test_gpu_budget_runs_end_to_end_on_cpu_when_shrunk(smol_path, tmp_path, caps
         <= set(eagle) and "recipes/heads/eagle3.yaml" in " ".join(eagle)
     small = dataclasses.replace(gpu, tasks=("math",), prompts=2, max_new_tokens=16, eagle_minutes=None, eagle_steps=2,
                                 eval_tokens=8, distill_overrides=gpu.distill_overrides + ("filters.rules=[]",),
+                                greedy=(("math", 3),), greedy_minutes=1e-9,  # stops after its first shard
+                                greedy_overrides=_with(gpu.greedy_overrides, "generation.batch_size=2",
+                                                       "shard_size=2", "filters.rules=[]"),
                                 eagle_overrides=gpu.eagle_overrides + ("open_text.max_rows=8",))
     monkeypatch.setitem(pool.BUDGETS, "gpu", small)
     out = tmp_path / "pool"
@@ -99,6 +118,16 @@ def test_gpu_budget_runs_end_to_end_on_cpu_when_shrunk(smol_path, tmp_path, caps
     trained = json.loads((out / "heads" / "eagle3" / "eval.json").read_text())["recipe"]
     assert head["layer"] == "eagle3" and head["feature_layers"] == [2, 4, 5] and trained["head"]["ttt_steps"] == 7
     assert json.loads((out / "distill" / "math" / "manifest.json").read_text())["target"]["dtype"] == "float32"
+    greedy = json.loads((out / "distill" / "math_greedy" / "manifest.json").read_text())
+    assert greedy["status"] == "stopped" and greedy["completed_shards"] == 1 and greedy["shards"] == 2
+    assert "2 distillations at once: distill:math, distill:math_greedy" in capsys.readouterr().err
+    # trained on both: the four-temperature answers and the stopped greedy run's finished shard
+    from toolkit.distill import load_distilled
+    from toolkit.train.data import is_heldout
+    prompts = [p for d in ("math", "math_greedy") for p in load_distilled(out / "distill" / d, allow_partial=True)["prompt"]]
+    assert len(prompts) == 2 * 4 + 2
+    trained = json.loads((out / "heads" / "eagle3" / "eval.json").read_text())["train_examples"]["distilled"]
+    assert trained == sum(not is_heldout(p, 0.125) for p in prompts)
     # resumed without --device (as on the machine that evaluates it): the finished stages stay finished
     assert main(argv + ["--device", "cpu"]) == 0
     err = capsys.readouterr().err
