@@ -27,7 +27,8 @@ def trained_head(tiny_target_dir, tmp_path):
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     folder = tmp_path / "runs" / "eagle"
     save_head(head, folder)
-    (folder / "run.json").write_text(json.dumps({"kind": "eagle", "train": {"epochs": 1},
+    (folder / "run.json").write_text(json.dumps({"kind": "eagle", "train": {"epochs": 1, "dtype": "bfloat16"},
+                                                 "head": {"init_from": "pretrained/older"},
                                                  "data": {"root": str(tmp_path / "runs" / "distill")},
                                                  "elsewhere": ["/elsewhere/data.jsonl"]}))
     (folder / "eval.json").write_text(json.dumps({"heldout": {"top1_agreement": 0.42}}))
@@ -51,10 +52,11 @@ def test_ship_writes_a_float16_folder_that_drafts_like_the_original(trained_head
     assert (out / "head.safetensors").stat().st_size < 0.6 * (folder / "head.safetensors").stat().st_size
     shipped = (out / "SHIPPED.md").read_text()
     assert "make pretrained" in shipped and '"top1_agreement": 0.42' in shipped and "1.000" in shipped
+    assert "trained in bfloat16, saved in float32" in shipped and "warm-started from: pretrained/older" in shipped
     # the run record names paths under the working directory relatively, others as they were
     record = json.loads((out / "run.json").read_text())
     assert record["data"]["root"] == "runs/distill" and record["elsewhere"] == ["/elsewhere/data.jsonl"]
-    assert record["train"] == {"epochs": 1} and json.loads((out / "eval.json").read_text())["heldout"]
+    assert record["train"] == {"epochs": 1, "dtype": "bfloat16"} and json.loads((out / "eval.json").read_text())["heldout"]
     # it loads as a head of the target and drafts the same top-1 tokens as the float32 original
     a, b = load_head(folder, target), load_head(out, target)
     feats = torch.randn(1, 8, target.config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -74,7 +76,7 @@ def test_the_shipped_pool_resolves_from_any_directory(tmp_path, monkeypatch):
     specs = load_pool(REPO / "recipes/pools/pretrained.yaml")
     eagle = next(s for s in specs if s.startswith("eagle:"))
     path = eagle.split("path=")[1].split(",")[0]
-    assert Path(path).is_absolute() and (Path(path) / "head.json").is_file() and "L=2" in eagle
+    assert Path(path).is_absolute() and (Path(path) / "head.json").is_file() and "L=3" in eagle
     assert (Path(path) / "SHIPPED.md").is_file() and (Path(path) / "run.json").is_file()
     assert REPO_ROOT == REPO
     pool = tmp_path / "pool.yaml"

@@ -90,10 +90,14 @@ def ship(head: Path, out: Path, target: str, dtype: str = "float16", command: st
                         "a probe); ship it in float32 (--dtype float32)")
     size = sum(f.stat().st_size for f in tmp.iterdir())
     heldout = json.loads((head / "eval.json").read_text()).get("heldout", {}) if (head / "eval.json").is_file() else {}
+    run = json.loads((head / "run.json").read_text()) if (head / "run.json").is_file() else {}
+    trained_in = (run.get("train") or {}).get("dtype") or "float32"  # the trainer's compute dtype (auto: bf16 on GPUs)
+    warm = (run.get("head") or {}).get("init_from")
     lines = [f"# Shipped {meta.get('kind', 'head')} head", "",
              "Produced by this project's own pipeline; rebuild it with:", "", "```bash",
              command or f"python -m toolkit ship {head} --out {out}", "```", "",
-             f"- weights: {dtype} ({size / 2 ** 20:.1f} MiB in this folder); trained in float32",
+             f"- weights: {dtype} ({size / 2 ** 20:.1f} MiB in this folder); trained in {trained_in}, saved in float32",
+             *([f"- warm-started from: {warm} (run.json: head.init_from)"] if warm else []),
              f"- target: {meta.get('target_spec') or meta.get('target', {}).get('name_or_path', '?')}",
              f"- held-out metrics at training time: {json.dumps(heldout, sort_keys=True) if heldout else 'see run.json'}",
              f"- top-1 agreement of these {dtype} weights with the float32 ones on a probe: "
