@@ -82,11 +82,15 @@ BUDGET ?= small
 pool: $(STAMP)
 	$(PY) -m toolkit pool --budget $(BUDGET) $(if $(TARGET),--target $(TARGET)) $(if $(DEVICE),--device $(DEVICE))
 
-# The EAGLE head the repository ships (pretrained/<target>/eagle, used by `make demo`): the medium pool's
-# distill + EAGLE stages (~100 min on a 2-core CPU), then `toolkit ship` (float16 weights, run record,
-# top-1 check against float32).
+# The EAGLE-3 head the repository ships (pretrained/<target>/eagle, used by `make demo` and `decode serve`): on one GPU,
+# the gpu pool's distill + EAGLE stages (≤ 10 min on an H100; it warm-starts from the head shipped now, so each run
+# extends it), then `toolkit ship` (float16 weights, run record, top-1 check against float32); the answers it
+# distilled extend pretrained/<target>/answers (a stopped greedy run's finished shards included).
+# make pretrained [DEVICE=cuda]
 .PHONY: pretrained
 pretrained: $(STAMP)
-	$(PY) -m toolkit pool --budget medium --stop-after train:eagle
-	$(PY) -m toolkit ship runs/pools/smollm2-135m-instruct-medium/heads/eagle \
+	$(PY) -m toolkit pool --budget gpu --device $(or $(DEVICE),cuda) --stop-after train:eagle
+	$(PY) -m toolkit ship runs/pools/smollm2-135m-instruct-gpu/heads/eagle3 \
 		--out pretrained/smollm2-135m-instruct/eagle --command "make pretrained" --force
+	$(PY) -m toolkit answers runs/pools/smollm2-135m-instruct-gpu/distill/* --partial \
+		--out pretrained/smollm2-135m-instruct/answers
