@@ -177,6 +177,32 @@ def test_cost_lengths_stay_lossless_and_learn_shared_acceptance(model, max_batch
     assert len(widths) > 1  # K moved with what was learnt
 
 
+@pytest.mark.parametrize("steps, drafts", [(lambda W: float(W), False), (lambda W: 1.0 + 0.01 * (W - 1), True)])
+def test_no_row_drafts_when_no_length_can_pay_even_at_its_cap(model, steps, drafts):
+    """When every position costs a full forward, K = 0 is decided before drafting: no arm is asked for a draft
+    (its lookups would be pure loss); when positions are nearly free they are. Lossless either way."""
+    env = ArmEnv(model, TinyTokenizer(model.config.vocab_size), GREEDY)
+    asked = []
+
+    def make_arms():
+        arms = [build_arm(s, env) for s in ["pld:L=4", "suffix:L=4"]]
+        for a in arms:
+            def propose(ctx, max_len, keep_going=None, _orig=a.propose):
+                asked.append(max_len)
+                return _orig(ctx, max_len, keep_going)
+            a.propose = propose
+        return arms
+    seeds = iter(range(10_000))
+    eng = BatchEngine(model, make_arms, lambda K: build_policy("ucbspec", K, 4, seed=next(seeds)),
+                      Verifier(GREEDY, "torch", torch.Generator().manual_seed(0)), (), length="cost")
+    eng.block_steps = lambda B, W, context: steps(W)  # the block's cost in one-row-block steps, fixed for the test
+    rows = eng.generate(PROMPTS, 16, max_batch=4)
+    for p, r in zip(PROMPTS, rows):
+        assert r.tokens == plain_greedy(model, p, 16), p
+    assert any(m > 0 for m in asked) == drafts
+    assert ({h.width for h in eng.history} == {1}) != drafts
+
+
 def test_schedules_people_use_as_baselines(model):
     from decode.engine.batch import parse_schedule, scheduled_length
 

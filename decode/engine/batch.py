@@ -23,9 +23,11 @@ scores B·W queries), refined by every round at whatever B it runs, and seeded b
 choice; c_B(W) = t(B·W) / t(B), so a batch size never seen reads what the others measured (a per-B curve would
 need a probe each time a row finishes and B changes). Each
 row's chosen arm has an acceptance estimate α (per position; the pool's statistics are shared across rows, so what
-request N learnt steers request N + 1, and a row's own rounds refine its estimate). Every row drafts up to its
-arm's L first (model-free drafting is cheap), then all drafts are cut to one K chosen jointly for the batch on the
-lengths d_r actually drafted, to maximise Σ_rows E_r(min(K, d_r)) / c_B(1 + K) with
+request N learnt steers request N + 1, and a row's own rounds refine its estimate). First the choice is made on
+every row's cap (its arm's L): when even that gives K = 0, no row drafts at all (a real draft is at most its cap,
+so it could not pay either; at large B most rounds are such, and their lookups were pure loss). Otherwise every
+row drafts up to its cap (model-free drafting is cheap), then all drafts are cut to one K chosen jointly for the
+batch on the lengths d_r actually drafted, to maximise Σ_rows E_r(min(K, d_r)) / c_B(1 + K) with
 E(k) = 1 + α + … + α^k (the expected tokens of a chain whose positions each survive with α). As B grows the
 block's cost rises with W, and speculation backs off by itself; it returns when the batch shrinks.
 ``length="fixed"``: every row drafts its arm's L. The schedules production engines use, as baselines:
@@ -408,16 +410,22 @@ class BatchEngine:
             ema = self.ema_accepted
             K = self.tiers[-1] if ema is None else next((t for t in self.tiers if t > ema), self.tiers[-1])
             caps = [min(c, K) for c in caps]
+        if self.length == "cost" and max(caps):
+            self._seed_cost(max(caps) + 1, context)
+            alphas = [self.acceptance.alpha(r, i) for r, i in zip(self.rows, picks)]
+            steps = lambda w: self.block_steps(len(self.rows), w, context)  # noqa: E731
+            # if no K pays even when every row drafts its cap, none can once they have drafted (a draft is at most
+            # its cap, and a shorter one only lowers what K buys): no row drafts, so no lookup or module forward
+            # is spent on a round that verifies one position per row
+            if joint_length(alphas, caps, steps) == 0:
+                caps = [0] * len(caps)
         # model-free rows draft first (cheap, and what they find decides their length: a lookup with no match
         # drafts nothing, however long its L); a module's chain always drafts its cap, so it drafts after K is known
-        drafts = [None if i in r.drafters else r.arms[i].propose(r.ctx, c, None)
+        drafts = [None if i in r.drafters else r.arms[i].propose(r.ctx, c, None) if c else Draft.empty()
                   for r, i, c in zip(self.rows, picks, caps)]
         if self.length == "cost" and any(d is None or len(d) for d in drafts) and max(caps):
             # K is chosen jointly on the lengths the rows would draft, then every draft is cut to K
-            self._seed_cost(max(caps) + 1, context)
-            K = joint_length([self.acceptance.alpha(r, i) for r, i in zip(self.rows, picks)],
-                             [c if d is None else len(d) for d, c in zip(drafts, caps)],
-                             lambda w: self.block_steps(len(self.rows), w, context))
+            K = joint_length(alphas, [c if d is None else len(d) for d, c in zip(drafts, caps)], steps)
             drafts = [d if d is None or len(d) <= K else _prefix(d, K) for d in drafts]
             caps = [min(c, K) for c in caps]
         self._propose_batched(picks, caps, drafts)
