@@ -203,6 +203,39 @@ def test_modules_load_once_per_env_and_what_cannot_batch_is_refused(tmp_path, ti
         check_batchable([build_arm(f"eagle:path={tmp_path / 'h'},tree=dynamic", env)])
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_head_in_bfloat16_stays_lossless_serially_and_batched_and_leaves_the_target_alone(tmp_path, fused):
+    """eagle:...,dtype=bfloat16: its own head object in that dtype (the target's shared embedding and LM head keep
+    theirs); serial and batched decoding with it equal plain greedy."""
+    from decode.choose.policies.simple import Fixed
+    from decode.engine.loop import SpecEngine
+    from decode.core.target import Target
+
+    model = tiny_llama(vocab=64, layers=4, seed=3, peaked=4.0)  # float32, as a CPU target runs
+    save_head(_head(model.double(), fused).float(), tmp_path / "h")
+    model.float()
+    env = ArmEnv(model, TinyTokenizer(64), GREEDY)
+    spec = f"eagle:path={tmp_path / 'h'},L=3"
+    a, b = build_arm(spec + ",dtype=bfloat16", env), build_arm(spec, env)
+    assert a.head is not b.head and a.batch_key != b.batch_key
+    assert {p.dtype for p in a.head.parameters()} == {torch.bfloat16} and a.dtype == torch.bfloat16
+    assert model.get_input_embeddings().weight.dtype == model.get_output_embeddings().weight.dtype == torch.float32
+    target = Target(model, TinyTokenizer(64), want_hidden=True)
+    a.target = target
+    eng = SpecEngine(target, [a], Verifier(GREEDY, "torch"), set())
+    for p in PROMPTS[:3]:
+        g = eng.generate(p, Fixed(1, eng.max_len), 12)
+        assert g.tokens == plain_greedy(model, p, 12), p
+        assert sum(r.drafted for r in g.rounds) > 0
+    seeds = iter(range(10_000))
+    batched = BatchEngine(model, lambda: [build_arm(spec + ",dtype=bfloat16", env)],
+                          lambda K: build_policy("fixed:arm=0", K, 3, seed=next(seeds)), Verifier(GREEDY, "torch"))
+    for p, r in zip(PROMPTS, batched.generate(PROMPTS, 12, max_batch=4)):
+        assert r.tokens == plain_greedy(model, p, 12), p
+    with pytest.raises(UserError, match="dtype must be auto"):
+        build_arm(spec + ",dtype=int8", env)
+
+
 def test_packed_linears_reach_the_arms_modules_never_the_stock_target():
     """With a target running oneDNN-packed linears, a batch drafter's own modules are packed as the serial engine
     packs them; the stock target's layers, which an early-exit stack runs, stay as loaded."""

@@ -199,8 +199,8 @@ class EagleHead(DraftVocabMixin, Head):
         head's norm)."""
         if self.fused:
             features = self.norm(features)
-        if self.draft_vocab is None:
-            return self.lm_head(features)
+        if self.draft_vocab is None:  # the target's own LM head, in the target's dtype (a head may run in another)
+            return self.lm_head(features.to(self.lm_head.weight.dtype))
         packed = getattr(self, "draft_weight_packed", None)  # set by decode/core/linear.py pack_arm_linears
         if packed is not None and not torch.is_grad_enabled() and features.dtype == self.draft_weight.dtype:
             return packed_linear(features, packed, self.draft_bias)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
+import torch
+
 from ....common.errors import UserError
 from ...heads import load_head
 from ...heads.common import check_head_folder
@@ -19,22 +21,33 @@ from .tree import EagleChainsArm, EagleTreeArm
 __all__ = ["EagleArm", "EagleChainsArm", "EagleTreeArm"]
 
 TREES = ("chain", "dynamic")
+# dtype=: the head's weights and compute; auto = as loaded (the target's dtype). The target's shared embedding and LM
+# head are not the head's modules and keep the target's dtype; verification keeps decoding exact in any of these.
+HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @register("eagle", check=lambda typed: check_head_folder(typed["path"], expect="eagle"))
 def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None,
           K: Annotated[int, Range(1)] = 1, tree: str = "chain", nodes: Annotated[int, Range(1)] = 16,
-          topk: Annotated[int, Range(1)] = 4, counterfactual: bool = False):
+          topk: Annotated[int, Range(1)] = 4, counterfactual: bool = False, dtype: str = "auto"):
     """``eagle:path=HEAD,L=4`` a chain; ``K=k``: k i.i.d. sampled chains verified together (SpecTr k-Seq);
     ``tree=dynamic,nodes=N,topk=k``: EAGLE-2's dynamic tree (decode/choose/arms/eagle/tree.py).
     ``counterfactual=true``: in greedy runs a chain is scored when unplayed (full-information policies and the router
-    see its would-be draft every round), for L-1 head steps a round (chain.py: measured not to pay, so off)."""
+    see its would-be draft every round), for L-1 head steps a round (chain.py: measured not to pay, so off).
+    ``dtype=bfloat16``: the head's weights and compute in that dtype (half the bytes a draft step reads: faster on
+    CPUs with native bfloat16, e.g. AVX512-BF16 or AMX; slower where it is emulated); ``auto``: the target's."""
     if tree not in TREES:
         raise UserError(f"eagle: tree must be chain (default; K=k for k sampled chains) or dynamic (EAGLE-2, "
                         f"with nodes=N,topk=k), got '{tree}'")
     if tree == "dynamic" and K > 1:
         raise UserError("eagle: K=k (sampled chains) and tree=dynamic (EAGLE-2) are two tree shapes; pick one")
-    head = env.once(("eagle", path), lambda: load_head(path, env.target_model, expect="eagle"), path=path)
+    if dtype != "auto" and dtype not in HEAD_DTYPES:
+        raise UserError(f"eagle: dtype must be auto (the target's) or one of {', '.join(HEAD_DTYPES)}, got '{dtype}'")
+
+    def load():
+        head = load_head(path, env.target_model, expect="eagle")
+        return head if dtype == "auto" else head.to(HEAD_DTYPES[dtype])
+    head = env.once(("eagle", path, dtype), load, path=path)
     if env.target is not None:
         env.target.want_hidden = True
     kw = dict(generator=env.generator, label=name, target=env.target, cache=env.cache)
