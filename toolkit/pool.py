@@ -64,7 +64,8 @@ class Budget:
     eagle_style: str = "eagle"  # "eagle" (EAGLE-1: recipes/heads/eagle.yaml) or "eagle3" (recipes/heads/eagle3.yaml)
     gpu: bool = False  # sized for a GPU: refused on a CPU unless --device cpu is passed knowingly
     # (task, prompts): greedy answers at scale beside the four-temperature ones (what greedy decoding meets), each
-    # distilled in ``greedy_minutes`` at most (a stopped run's finished shards are trained on; a rerun continues it)
+    # distilled in ``greedy_minutes`` at most (a stopped run's finished shards are trained on; the stage counts as
+    # finished, and rerunning its ``toolkit distill`` command, or the pool with --fresh, continues it)
     greedy: tuple[tuple[str, int], ...] = ()
     greedy_overrides: tuple[str, ...] = ()
     greedy_minutes: float | None = None
