@@ -79,6 +79,24 @@ def test_curve_fallbacks_nearest_bucket_then_interpolation():
         CostCurve(bucket=0)
 
 
+def test_absolute_times_beyond_a_buckets_sizes_borrow_another_buckets_growth():
+    """A batch's rounds measure a cluster of nearby sizes in a new context bucket (14-16 rows × 1 position); a block
+    of 32 there is read from the growth another bucket measured, not from the cluster's noisy last slope."""
+    c = CostCurve()
+    for n, t in ((16, 0.040), (32, 0.060), (64, 0.100)):  # the probe, at a short context
+        c.observe(n, 10, t)
+    for n, t in ((14, 0.0575), (15, 0.0570), (16, 0.0580)):  # rounds at a long context: flat within noise
+        c.observe(n, 700, t)
+    assert c.seconds_at(32, 700) == pytest.approx(0.058 * 0.060 / 0.040)
+    assert c.seconds_at(48, 700) == pytest.approx(0.058 * 0.080 / 0.040)  # between the lender's 32 and 64
+    assert c.seconds_at(15, 700) == pytest.approx(0.0570) and c.seconds_at(8, 700) == pytest.approx(0.0575)
+    assert c.seconds_at(32, 10) == pytest.approx(0.060)
+    alone = CostCurve()  # no other bucket to borrow from: the last slope, as before
+    for n, t in ((14, 0.0575), (16, 0.0580)):
+        alone.observe(n, 700, t)
+    assert alone.seconds_at(32, 700) == pytest.approx(0.0580 + 16 * 0.0005 / 2)
+
+
 def _brute_force(rates, costs, d):
     best = None
     for k in range(1, len(rates) + 1):

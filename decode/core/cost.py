@@ -84,22 +84,33 @@ class CostCurve:
     def seconds_at(self, n: int, context: int) -> float | None:
         """Median seconds of an ``n``-position forward near ``context`` in absolute terms (what batched rounds use,
         where n = rows × block width and a one-position forward is never run): measured in the nearest bucket with
-        any measurement, interpolated linearly between the sizes measured there, the last slope continued beyond
-        them, the smallest size's time below them (a smaller forward costs no more), proportional to n when only one
-        size is known. None when nothing is measured."""
+        any measurement, interpolated linearly between the sizes measured there, the smallest size's time below them
+        (a smaller forward costs no more). Beyond the largest size ``m`` measured there, another bucket that measured
+        both ``m`` and sizes up to ``n`` (the nearest such) lends its growth t(n) / t(m); only without one is the
+        last slope continued (or n/m when one size is known). A batch's rounds measure a cluster of nearby sizes in
+        each new context bucket (B, B - 1, … rows of one position), whose last slope is noise: continued to 2B it
+        made a block of two positions look nearly free. None when nothing is measured."""
         n, b = int(n), int(context) // self.bucket
         buckets = sorted({bb for (_, bb), t in self._times.items() if t}, key=lambda bb: (abs(bb - b), bb))
         if not buckets:
             return None
-        times = {m: statistics.median(t) for (m, bb), t in self._times.items() if bb == buckets[0] and t}
+        times = self._bucket_times(buckets[0])
         if n in times:
             return times[n]
-        smallest = min(times)
+        smallest, largest = min(times), max(times)
         if n < smallest:
             return times[smallest]
+        if n > largest:
+            for bb in buckets[1:]:
+                other = self._bucket_times(bb)
+                if largest in other and max(other) >= n and len(other) >= 2:
+                    return times[largest] * _interpolate(other, n, floor=other[largest]) / other[largest]
         if len(times) == 1:
             return times[smallest] * n / smallest
         return _interpolate(times, n, floor=times[smallest])
+
+    def _bucket_times(self, b: int) -> dict[int, float]:
+        return {m: statistics.median(t) for (m, bb), t in self._times.items() if bb == b and t}
 
     def table(self) -> dict[str, dict[str, float]]:
         """{bucket start: {n: c(n)}} of every measured size, for reports."""
