@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import torch
-
+from ....common.device import DTYPES
 from ....common.errors import UserError
 from ...heads import load_head
 from ...heads.common import check_head_folder
@@ -21,9 +20,6 @@ from .tree import EagleChainsArm, EagleTreeArm
 __all__ = ["EagleArm", "EagleChainsArm", "EagleTreeArm"]
 
 TREES = ("chain", "dynamic")
-# dtype=: the head's weights and compute; auto = as loaded (the target's dtype). The target's shared embedding and LM
-# head are not the head's modules and keep the target's dtype; verification keeps decoding exact in any of these.
-HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @register("eagle", check=lambda typed: check_head_folder(typed["path"], expect="eagle"))
@@ -41,12 +37,12 @@ def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | N
                         f"with nodes=N,topk=k), got '{tree}'")
     if tree == "dynamic" and K > 1:
         raise UserError("eagle: K=k (sampled chains) and tree=dynamic (EAGLE-2) are two tree shapes; pick one")
-    if dtype != "auto" and dtype not in HEAD_DTYPES:
-        raise UserError(f"eagle: dtype must be auto (the target's) or one of {', '.join(HEAD_DTYPES)}, got '{dtype}'")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise UserError(f"eagle: dtype must be auto (the target's) or one of {', '.join(DTYPES)}, got '{dtype}'")
 
-    def load():
+    def load():  # the target's shared embedding and LM head are not the head's modules: they keep their dtype
         head = load_head(path, env.target_model, expect="eagle")
-        return head if dtype == "auto" else head.to(HEAD_DTYPES[dtype])
+        return head if dtype == "auto" else head.to(DTYPES[dtype])
     head = env.once(("eagle", path, dtype), load, path=path)
     if env.target is not None:
         env.target.want_hidden = True
