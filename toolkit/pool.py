@@ -192,11 +192,13 @@ def plan(target: str, budget_name: str, out: Path, suite: str, device: str | Non
 def _warm_head(target: str, style: str) -> Path | None:
     """The shipped head of an alias target (``pretrained/<target>/eagle``) when its layout is ``style``'s (an
     EAGLE-3 head has ``layer: eagle3``), else None: a GPU budget then trains from the recipe's own init."""
-    head = REPO_ROOT / "pretrained" / target / "eagle" / "head.json"
-    if not head.is_file():
+    from decode.choose.heads.common import HEAD_CONFIG, read_head_config
+
+    folder = REPO_ROOT / "pretrained" / target / "eagle"
+    if not (folder / HEAD_CONFIG).is_file():
         return None
-    layer = json.loads(head.read_text()).get("layer", "eagle1")
-    return head.parent if (layer == "eagle3") == (style == "eagle3") else None
+    layer = read_head_config(folder).get("layer", "eagle1")
+    return folder if (layer == "eagle3") == (style == "eagle3") else None
 
 
 def write_pool_file(out: Path, target: str, budget: str, arms: list[str]) -> Path:
