@@ -30,7 +30,8 @@ class CostCurve:
             raise ValueError(f"bucket and window must be >= 1, got {bucket}, {window}")
         self.bucket, self.window = int(bucket), int(window)
         self._times: dict[tuple[int, int], deque] = {}
-        self._ratio_memo: dict[int, dict[int, float]] = {}  # bucket -> _ratios(bucket), until it is measured again
+        # bucket -> {n: median seconds}, until the bucket is measured again (controllers ask many n every round)
+        self._median_memo: dict[int, dict[int, float]] = {}
 
     def _key(self, n: int, context: int) -> tuple[int, int]:
         return int(n), int(context) // self.bucket
@@ -44,22 +45,25 @@ class CostCurve:
         if times is None:
             times = self._times[key] = deque(maxlen=self.window)
         times.append(float(seconds))
-        self._ratio_memo.pop(key[1], None)
+        self._median_memo.pop(key[1], None)
 
     def seconds(self, n: int, context: int) -> float | None:
         """Median measured seconds of an ``n``-position forward in ``context``'s bucket (None: none yet)."""
         times = self._times.get(self._key(n, context))
         return statistics.median(times) if times else None
 
+    def _bucket_times(self, b: int) -> dict[int, float]:
+        """{n: median seconds} measured in bucket ``b`` (memoised: a controller asks for many n every round, the
+        curve changes once per round)."""
+        if b not in self._median_memo:
+            self._median_memo[b] = {n: statistics.median(t) for (n, bb), t in self._times.items() if bb == b and t}
+        return self._median_memo[b]
+
     def _ratios(self, b: int) -> dict[int, float]:
-        """{n: c(n)} measured in bucket ``b`` (memoised: a controller asks for many n every round, the curve
-        changes once per round)."""
-        if b not in self._ratio_memo:
-            one = self._times.get((1, b))
-            base = statistics.median(one) if one else None
-            self._ratio_memo[b] = {} if base is None else {
-                n: statistics.median(t) / base for (n, bb), t in self._times.items() if bb == b and t}
-        return self._ratio_memo[b]
+        """{n: c(n)} measured in bucket ``b``: its medians over its one-token forward's."""
+        times = self._bucket_times(b)
+        base = times.get(1)
+        return {} if base is None else {n: t / base for n, t in times.items()}
 
     def steps(self, n: int, context: int) -> float:
         """c(n): an ``n``-position forward in one-token steps, near ``context`` tokens of context (1.0 for n = 1;
@@ -108,9 +112,6 @@ class CostCurve:
         if len(times) == 1:
             return times[smallest] * n / smallest
         return _interpolate(times, n, floor=times[smallest])
-
-    def _bucket_times(self, b: int) -> dict[int, float]:
-        return {m: statistics.median(t) for (m, bb), t in self._times.items() if bb == b and t}
 
     def table(self) -> dict[str, dict[str, float]]:
         """{bucket start: {n: c(n)}} of every measured size, for reports."""
