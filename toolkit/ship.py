@@ -79,18 +79,18 @@ def ship(head: Path, out: Path, target: str, dtype: str = "float16", command: st
     save_file(state, str(tmp / HEAD_WEIGHTS))
     if (head / VOCAB_FILE).is_file():
         shutil.copy2(head / VOCAB_FILE, tmp / VOCAB_FILE)
-    for name in ("run.json", "eval.json"):
-        if (head / name).is_file():
-            record = portable_paths(json.loads((head / name).read_text()), Path.cwd())
-            (tmp / name).write_text(json.dumps(record, indent=2) + "\n")
+    records = {name: json.loads((head / name).read_text()) for name in ("run.json", "eval.json")
+               if (head / name).is_file()}
+    for name, record in records.items():
+        (tmp / name).write_text(json.dumps(portable_paths(record, Path.cwd()), indent=2) + "\n")
     shutil.copy2(head / HEAD_CONFIG, tmp / HEAD_CONFIG)
     agreement = _check_same_drafts(head, tmp, target) if check else None
     if agreement is not None and agreement < 0.95:
         raise UserError(f"the {dtype} head drafts other tokens than the original ({agreement:.0%} top-1 agreement on "
                         "a probe); ship it in float32 (--dtype float32)")
     size = sum(f.stat().st_size for f in tmp.iterdir())
-    heldout = json.loads((head / "eval.json").read_text()).get("heldout", {}) if (head / "eval.json").is_file() else {}
-    run = json.loads((head / "run.json").read_text()) if (head / "run.json").is_file() else {}
+    heldout = records.get("eval.json", {}).get("heldout", {})
+    run = records.get("run.json", {})
     trained_in = (run.get("train") or {}).get("dtype") or "float32"  # the trainer's compute dtype (auto: bf16 on GPUs)
     warm = (run.get("head") or {}).get("init_from")
     lines = [f"# Shipped {meta.get('kind', 'head')} head", "",
