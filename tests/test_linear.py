@@ -62,6 +62,21 @@ def test_greedy_through_packed_target_and_eagle_equals_plain_greedy(cache):
         assert torch.allclose(packed, head.logits(x), atol=1e-4, rtol=1e-4)
 
 
+def test_a_unions_eagle_sub_arm_is_packed_and_stays_lossless():
+    """A union reaches its sub-arms' modules (before, its EAGLE head ran stock linears: the BLAS cliff at 2-3 rows)."""
+    from decode.choose.arms.union import UnionArm
+    model = tiny_llama(layers=2, seed=3)
+    head = EagleHead(model)
+    target = Target(pack_linears(model), want_hidden=True, cache="dynamic")
+    union = UnionArm([EagleArm(head, model, GREEDY, L=3, target=target), build_arm("pld:L=3", ArmEnv(model, None, GREEDY))],
+                     nodes=6)
+    assert [a.name for a in union.parts] == ["eagle", "pld"]
+    assert pack_arm_linears([union], model) == 8 and isinstance(head.fc, PackedLinear)
+    eng = SpecEngine(target, [union], Verifier(GREEDY))
+    for prompt in PROMPTS:
+        assert eng.generate(prompt, build_policy("fixed:arm=0", 1, eng.max_len), 30).tokens == plain_greedy(model, prompt, 30)
+
+
 def test_build_engine_packs_only_its_own_copy(tiny_target_dir):
     from decode.core.models import load_model
     model, tok = load_model(tiny_target_dir)

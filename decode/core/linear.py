@@ -206,12 +206,12 @@ def linear_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
 
 def pack_arm_linears(arms, stock_model: torch.nn.Module) -> int:
     """Pack, in place, the linears of the modules the arms own (an EAGLE head's layer, fc and draft-vocabulary
-    projection; a drafter model), once they are loaded. A module of ``stock_model`` is never changed
+    projection; a drafter model; those of a union's sub-arms), once they are loaded. A module of ``stock_model`` is never changed
     (early-exit stacks run the target's own layers; the hf reference runs them too): only parents the arm
     owns get a PackedLinear child, which may wrap a shared weight. Returns how many linears were packed."""
     stock = {id(m) for m in stock_model.modules()}
     seen, packed = set(), 0
-    for arm in arms:
+    for arm in (p for a in arms for p in a.parts):  # a union's sub-arms too
         for value in vars(arm).values():
             if not isinstance(value, torch.nn.Module) or onednn_usable(*_placement(value)) is not None:
                 continue

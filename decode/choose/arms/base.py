@@ -96,6 +96,11 @@ class Arm:
     def label(self) -> str:
         return f"{self.name}@{self.L}"
 
+    @property
+    def parts(self) -> tuple["Arm", ...]:
+        """The arms whose modules draft for this one: itself; a union's sub-arms (what packing must reach)."""
+        return (self,)
+
 
 ARMS = Registry("arm")
 register = ARMS.register

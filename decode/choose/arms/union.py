@@ -56,6 +56,10 @@ class UnionArm(Arm):
         return self._label or f"union[{'+'.join(a.label for a in self.arms)}]@{self.nodes}nodes"
 
     @property
+    def parts(self) -> tuple[Arm, ...]:
+        return tuple(p for a in self.arms for p in a.parts)
+
+    @property
     def max_nodes(self) -> int:
         """The most nodes one draft has (the target scores max_nodes + 1 positions)."""
         return self.nodes
