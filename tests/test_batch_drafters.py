@@ -2,6 +2,8 @@
 and drafter models (full vocabulary and a draft vocabulary). Every row's draft is the serial arm's from the same
 context, token for token, whatever its batch-mates do; rows stay lossless; a module is loaded once for all rows;
 what cannot batch is refused before a model loads."""
+import collections
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from decode.choose.arms import ArmEnv, build_arm
 from decode.choose.arms.eagle import EagleArm
 from decode.choose.arms.early_exit import EarlyExitArm
 from decode.choose.arms.model import DrafterModelArm
+from decode.choose.arms.union import UnionArm
 from decode.choose.heads import EagleHead, EarlyExitDrafter, save_head
 from decode.choose.policies import build_policy
 from decode.common.errors import UserError
@@ -55,9 +58,14 @@ def _engine(model, module, sampling=GREEDY, pool=("neural", "pld:L=3", "none"), 
     if isinstance(module, tuple) and module[1] is not None:
         module = (module[0], shared.pruned)
 
-    def make_arms():  # "neural" = L 3, "neural@2": another arm of the same module
-        return [_neural(model, module, sampling, seed, L=int(s[7:] or 3)) if s.startswith("neural") else
-                build_arm(s, env) for s in pool]
+    def make(s):  # "neural" = L 3, "neural@2": another arm of the same module; "union": it + pld + suffix, 6 nodes
+        if s == "union":
+            return UnionArm([make("neural"), build_arm("pld:L=2", env), build_arm("suffix:L=3", env)], nodes=6,
+                            greedy=sampling.greedy)
+        return _neural(model, module, sampling, seed, L=int(s[7:] or 3)) if s.startswith("neural") else build_arm(s, env)
+
+    def make_arms():
+        return [make(s) for s in pool]
 
     seeds = iter(range(seed, seed + 10_000))
     return BatchEngine(model, make_arms, lambda K: build_policy(policy, K, 4, seed=next(seeds)),
@@ -65,14 +73,15 @@ def _engine(model, module, sampling=GREEDY, pool=("neural", "pld:L=3", "none"), 
 
 
 def _spy(monkeypatch) -> list:
-    """Record (context, cap, draft) of every EAGLE draft the batched engine makes (arm 0)."""
+    """Record (context, cap, draft) of every draft the batched engine's module makes for arm 0 (a union's: its first
+    sub-arm's chain)."""
     seen = []
     propose = BatchEngine._propose_batched
 
-    def spy(self, picks, caps, drafts):
-        mine = [b for b, (i, d) in enumerate(zip(picks, drafts)) if i == 0 and d is None]
-        propose(self, picks, caps, drafts)
-        seen.extend((list(self.rows[b].ctx), caps[b], drafts[b]) for b in mine)
+    def spy(self, picks, caps, pieces):
+        mine = [b for b, (i, ps) in enumerate(zip(picks, pieces)) if i == 0 and ps[0] is None]
+        propose(self, picks, caps, pieces)
+        seen.extend((list(self.rows[b].ctx), caps[b], pieces[b][0]) for b in mine)
 
     monkeypatch.setattr(BatchEngine, "_propose_batched", spy)
     return seen
@@ -110,6 +119,32 @@ def test_batched_drafts_are_the_serial_chains_and_rows_stay_lossless(model, monk
         assert draft.tokens.tolist() == serial.tokens.tolist(), ctx
         if len(draft) and kind.startswith("eagle"):
             torch.testing.assert_close(draft.hidden, serial.hidden.to(draft.hidden.dtype))
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "drafter"])
+@pytest.mark.parametrize("length", ["fixed", "cost"])
+def test_union_rows_draft_the_serial_unions_trees_and_stay_lossless(model, monkeypatch, kind, length):
+    """A union of a module's chain with lookups, batched: the module drafts its chain with every row's, the row's
+    lookups draft theirs, and the tree they merge into is verified in the batch's one forward (per-node positions,
+    ancestor masks, the accepted path kept); what the module drafted is the serial arm's chain, and rows stay their
+    plain greedy decoding (length=cost: trees cut to the joint number of positions)."""
+    module = _module(model, kind)
+    seen = _spy(monkeypatch)
+    trees = []
+    combine = UnionArm.combine
+    monkeypatch.setattr(UnionArm, "combine", lambda self, drafts, cut=None: trees.append(combine(self, drafts, cut))
+                        or trees[-1])
+    eng = _engine(model, module, pool=("union", "pld:L=3", "none"), policy="ucbspec" if length == "cost" else "random",
+                  length=length)
+    rows = eng.generate(PROMPTS, 20, max_batch=4)
+    for p, r in zip(PROMPTS, rows):
+        assert r.tokens == plain_greedy(model, p, 20), p
+    assert any(t.is_tree for t in trees) and all(len(t) <= 6 for t in trees)
+    assert any(rec.arm == 0 and rec.accepted for r in rows for rec in r.rounds)
+    if length == "fixed":  # a tree wider than its depth went through one forward
+        assert any(h.width > 4 for h in eng.history)
+    for ctx, cap, draft in seen:
+        assert draft.tokens.tolist() == _neural(model, module, GREEDY).propose(ctx, min(3, cap)).tokens.tolist(), ctx
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "drafter-vocab"])
@@ -201,6 +236,15 @@ def test_modules_load_once_per_env_and_what_cannot_batch_is_refused(tmp_path, ti
             check_batch_arm_specs([spec])
     with pytest.raises(UserError, match="serially only"):
         check_batchable([build_arm(f"eagle:path={tmp_path / 'h'},tree=dynamic", env)])
+    union = f"union:arms=eagle:path={tmp_path / 'h'}:L=2+pld:L=3+drafter:path={tiny_target_dir}"
+    check_batch_arm_specs([union])  # a union batches when each of its arms does
+    check_batchable([build_arm(union, env)])
+    with pytest.raises(UserError, match="a union batches when each of its arms does.*serially only"):
+        check_batch_arm_specs([f"union:arms=eagle:path={tmp_path / 'h'}:tree=dynamic+pld"])
+    with pytest.raises(UserError, match=r"eagle_tree.*\(in union"):
+        check_batchable([build_arm(f"union:arms=eagle:path={tmp_path / 'h'}:tree=dynamic+pld", env)])
+    with pytest.raises(UserError, match="drafts twice with one module"):
+        check_batchable([build_arm(f"union:arms=eagle:path={tmp_path / 'h'}:L=2+eagle:path={tmp_path / 'h'}:L=3", env)])
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -254,3 +298,38 @@ def test_packed_linears_reach_the_arms_modules_never_the_stock_target():
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
     assert isinstance(head.lm_head, PackedLinear) and isinstance(head.model.layers[2].mlp.down_proj, PackedLinear)
     assert head.model.layers[0] is model.model.layers[0]  # the shared target layer, not packed in place
+
+
+@pytest.mark.slow
+def test_sampled_union_rows_follow_the_targets_distribution():
+    """Recursive rejection sampling over a batched row's tree (a sampled EAGLE chain merged with a lookup chain that
+    is usually wrong): the row's first two tokens follow the target's own joint distribution (chi-square against the
+    exact probabilities), batch-mates present."""
+    from scipy.stats import chisquare
+
+    m = tiny_llama(vocab=8, hidden=16, layers=1, seed=5).double()
+    head = EagleHead(m, init="last_layer").double().eval()
+    cfg = SamplingConfig(temperature=1.0)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # pld proposes 3, 1, 2
+    with torch.inference_mode():
+        p1 = torch.softmax(m(torch.tensor([prompt])).logits[0, -1], -1)
+        p2 = torch.softmax(m(torch.tensor([prompt + [t] for t in range(8)])).logits[:, -1], -1)
+    exact = (p1[:, None] * p2).reshape(-1)  # P(t1, t2)
+    env = ArmEnv(m, TinyTokenizer(8), cfg)
+    counts = collections.Counter()
+    n = 0
+    for seed in range(150):
+        g = torch.Generator().manual_seed(seed)
+        eng = BatchEngine(m, lambda: [UnionArm([EagleArm(head, m, cfg, 2, generator=g), build_arm("pld:L=3", env)],
+                                               nodes=5, greedy=False)],
+                          lambda K: build_policy("fixed:arm=0", K, 4), Verifier(cfg, "torch", torch.Generator().manual_seed(seed)))
+        rows = eng.generate([prompt] * 8 + [[4, 5, 6, 4, 5]], 3)  # the first round drafts 2 deep (1 token left)
+        assert eng.history[0].width > 3  # trees went through the batch
+        for r in rows[:8]:
+            counts[r.tokens[0] * 8 + r.tokens[1]] += 1
+            n += 1
+    obs = torch.tensor([counts[k] for k in range(64)], dtype=torch.float64)
+    exp = exact * n
+    keep = exp >= 5
+    pval = chisquare(obs[keep].numpy(), (exp[keep] / exp[keep].sum() * obs[keep].sum()).numpy()).pvalue
+    assert pval > 1e-3, (obs.tolist(), exp.tolist())

@@ -108,6 +108,10 @@ def test_neural_arms_are_refused_clearly(model):
 class _FakeNeural:
     name, label, L, uses_target_hidden = "eagle", "eagle@2", 2, True
 
+    @property
+    def parts(self):
+        return (self,)
+
 
 @pytest.mark.parametrize("spec", ["router:carry=true", "router:cost=true,carry=true", "ucbspec:fullinfo=true,carry=true"])
 def test_full_information_and_cost_policies_learn_per_row_and_stay_lossless(model, spec):

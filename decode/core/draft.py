@@ -66,6 +66,14 @@ class Draft:
             return False
         return not torch.equal(self.parents, torch.arange(-1, len(self) - 1))
 
+    @property
+    def depth(self) -> int:
+        """Draft positions along the longest root path: ``len`` for a chain, the depth for a tree."""
+        if not self.is_tree:
+            return len(self)
+        from .tree import depths
+        return int(depths(self.parents).max())
+
     @staticmethod
     def empty() -> "Draft":
         return Draft(torch.empty(0, dtype=torch.long))

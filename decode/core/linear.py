@@ -211,7 +211,7 @@ def pack_arm_linears(arms, stock_model: torch.nn.Module) -> int:
     owns get a PackedLinear child, which may wrap a shared weight. Returns how many linears were packed."""
     stock = {id(m) for m in stock_model.modules()}
     seen, packed = set(), 0
-    for arm in (p for a in arms for p in a.parts):  # a union's sub-arms too
+    for arm in (p for a in arms for p in getattr(a, "parts", (a,))):  # a union's sub-arms; a batch drafter as it is
         for value in vars(arm).values():
             if not isinstance(value, torch.nn.Module) or onednn_usable(*_placement(value)) is not None:
                 continue

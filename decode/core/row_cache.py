@@ -2,7 +2,7 @@
 what an arm that drafts batched runs its own model on (decode/choose/arms/eagle/batched.py).
 
 A forward appends W slots to every row (its block, padded); afterwards a row keeps the slots it needs and marks the
-rest invalid — rollback is a per-row mask, not a crop. Keys were rotated at their row's *logical* positions, so
+rest invalid — rollback is a per-row mask, not a crop (a tree's accepted path is kept the same way, whatever slots it sits in). Keys were rotated at their row's *logical* positions, so
 where a slot sits does not matter: attention is over the visible set, and :meth:`RowCache.compact` gathers each
 row's valid slots to the front when padding and rejected drafts pile up. Rows join (prefilled alone, padded into
 the batch: :meth:`RowCache.add`) and leave (:meth:`RowCache.select`) between forwards."""
@@ -105,22 +105,26 @@ class RowCache:
             self._set([(layer.keys[idx.to(dev)], layer.values[idx.to(dev)]) for layer in _layers(self.hf)],
                       self.slots)
 
-    def attention(self, block_valid: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    def attention(self, block_valid: torch.Tensor, dtype: torch.dtype, device,
+                  within: torch.Tensor | None = None) -> torch.Tensor:
         """Additive mask ``[B, 1, W, T + W]`` for a forward of W block slots per row: query j of row b sees that
-        row's valid cached slots and the real block slots k <= j (and itself, so a padding query is finite)."""
+        row's valid cached slots and the real block slots k <= j (and itself, so a padding query is finite).
+        ``within`` ([B, W, W] bool): which block slots each block slot sees instead of k <= j (a token tree: its
+        ancestors and itself, decode/core/tree.py ``ancestor_matrix``)."""
         B, W = block_valid.shape
         T = self.slots
-        causal = torch.tril(torch.ones(W, W, dtype=torch.bool))
-        block = causal[None] & block_valid[:, None, :]
+        causal = torch.tril(torch.ones(W, W, dtype=torch.bool))[None] if within is None else within
+        block = causal & block_valid[:, None, :]
         block |= torch.eye(W, dtype=torch.bool)[None]
         visible = torch.cat([self.valid[:, None, :].expand(B, W, T), block], dim=2)
         mask = torch.zeros(B, W, T + W, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
         return mask[:, None].to(device)
 
-    def block(self, block_valid: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    def block(self, block_valid: torch.Tensor, dtype: torch.dtype, device,
+              within: torch.Tensor | None = None) -> torch.Tensor:
         """Before a forward of ``block_valid.shape[1]`` slots per row: room for them, and the additive mask it takes
-        (pass ``hf`` as the forward's ``past_key_values``; :meth:`commit` after it)."""
-        mask = self.attention(block_valid, dtype, device)
+        (pass ``hf`` as the forward's ``past_key_values``; :meth:`commit` after it). ``within``: as :meth:`attention`."""
+        mask = self.attention(block_valid, dtype, device, within)
         self.reserve(block_valid.shape[1], dtype, device)
         return mask
 

@@ -45,8 +45,15 @@ policy): it is shown a row's features again right before that row's update.
 Arms: model-free ones (``MODEL_FREE``) draft per row from the row's own instances; EAGLE chains, drafter models and
 early-exit layers draft batched per module (decode/choose/arms/batched.py: one :class:`BatchDrafter` per module keeps
 every row's cache of it in its own RowCache; every row that plays it drafts in one forward per draft position;
-an EAGLE head reads the target's features, which this engine's forwards then return). Arms that draft serially
-only (EAGLE trees, K sampled chains) are refused with a clear error (:func:`check_batchable`).
+an EAGLE head reads the target's features, which this engine's forwards then return). A union of such arms
+(``union:arms=eagle:...+pld:...``) drafts each sub-arm the same way (its module's chain with every other row's) and
+merges the row's chains into its tree (``UnionArm.combine``, as the serial union does); a tree row's block is its
+nodes, each at its depth's position and seeing only the last token, its ancestors and itself (an ancestor mask in
+the block part of the row's attention mask), and the row keeps the slots of its accepted root path (rollback is a
+per-row mask, so any slots can be kept). With ``length="cost"`` a union counts as a chain of its cap when K is
+chosen and its tree is then cut to its first K nodes breadth-first (the block's K positions), an optimistic
+estimate of what it buys (a tree's depth at K nodes is at most K). Arms that draft serially only (EAGLE trees, K
+sampled chains) are refused with a clear error (:func:`check_batchable`).
 """
 from __future__ import annotations
 
@@ -65,6 +72,7 @@ from ..common.device import synchronize
 from ..common.errors import UserError
 from ..core.cost import CostCurve
 from ..core.draft import Draft, RoundRecord
+from ..core.tree import ancestor_matrix
 from ..core.linear import PackedLinear, pack_arm_linears
 from ..core.row_cache import RowCache
 from ..core.target import crop_cache
@@ -114,18 +122,26 @@ def scheduled_length(schedule: list[tuple[int, int | None, int]], B: int) -> int
 
 
 def _not_batchable(what: str) -> UserError:
-    return UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}) and chains of EAGLE "
+    return UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}), chains of EAGLE "
                      f"heads, drafter models and early-exit layers (eagle without tree=, K= or counterfactual=true; "
-                     f"drafter without K=); {what} drafts serially only (EAGLE trees and K sampled chains do)")
+                     f"drafter without K=) and unions of those; {what} drafts serially only (EAGLE trees and K "
+                     f"sampled chains do)")
 
 
 def check_batchable(arms: list[Arm]) -> None:
     """What batched rounds take: model-free arms (each row holds its own cheap instances, every one scorable, so a
-    policy learning from every arm's reward gets it) and arms with a ``batch_key`` (chains of EAGLE heads, drafters
-    and early-exit layers: one forward per draft position for all rows, decode/choose/arms/batched.py)."""
+    policy learning from every arm's reward gets it), arms with a ``batch_key`` (chains of EAGLE heads, drafters
+    and early-exit layers: one forward per draft position for all rows, decode/choose/arms/batched.py), and unions
+    whose sub-arms are each one of those, no two drafting with the same module (their chains are merged into the
+    row's tree)."""
     for a in arms:
-        if not (getattr(a, "free_counterfactual", False) or drafts_batched(a)):
-            raise _not_batchable(a.label)
+        keys = [p.batch_key for p in a.parts if drafts_batched(p)]
+        if len(set(keys)) < len(keys):
+            raise UserError(f"batched rounds: {a.label} drafts twice with one module (two sub-arms of one head or "
+                            f"drafter); give the union one of them")
+        for p in a.parts:
+            if not (getattr(p, "free_counterfactual", False) or drafts_batched(p)):
+                raise _not_batchable(a.label if p is a else f"{p.label} (in {a.label})")
 
 
 def check_batch_arm_specs(specs: list[str]) -> None:
@@ -135,6 +151,14 @@ def check_batch_arm_specs(specs: list[str]) -> None:
     for spec in specs:
         name, params = parse_spec(spec)
         if name in MODEL_FREE:
+            continue
+        if name == "union":
+            from ..choose.arms.union import sub_specs
+            typed = ARMS.check(name, spec, 1, params)
+            try:
+                check_batch_arm_specs(sub_specs(str(typed["arms"])))
+            except UserError as exc:
+                raise UserError(f"--arms {spec}: a union batches when each of its arms does; {exc}") from None
             continue
         if name in ("eagle", "drafter", "early_exit"):  # chains: no tree, one chain, no counterfactual drafts
             typed = ARMS.check(name, spec, 1, params)
@@ -201,7 +225,9 @@ class Row(TokenBudget):
     scorer: CounterfactualScorer | None = None
     pending: list[PendingRound] | None = None
     last: list[int] = field(default_factory=list)  # the tokens its last round committed
-    drafters: dict[int, BatchDrafter] = field(default_factory=dict)  # arm index -> the batch drafter drafting it
+    # (arm index, part index in the arm's ``parts``) -> the batch drafter drafting that part (a union's sub-arms
+    # are parts; any other arm is its own single part)
+    drafters: dict[tuple[int, int], BatchDrafter] = field(default_factory=dict)
     joined: float = 0.0  # perf_counter() when it joined
     finished: float = 0.0
 
@@ -333,10 +359,11 @@ class BatchEngine:
         self._next += 1
         row.policy.new_query()
         for i, a in enumerate(arms):
-            if drafts_batched(a):
-                row.drafters[i] = self._drafter(a)
-            else:
-                a.reset(row.prompt)
+            for j, part in enumerate(a.parts):
+                if drafts_batched(part):
+                    row.drafters[(i, j)] = self._drafter(part)
+                else:
+                    part.reset(row.prompt)
         n = len(prompt_ids) - 1  # the cache holds every token but the last (fed by the first round)
         cache = hidden = None
         if n:
@@ -419,31 +446,40 @@ class BatchEngine:
             # is spent on a round that verifies one position per row
             if joint_length(alphas, caps, steps) == 0:
                 caps = [0] * len(caps)
-        # model-free rows draft first (cheap, and what they find decides their length: a lookup with no match
+        # model-free parts draft first (cheap, and what they find decides their length: a lookup with no match
         # drafts nothing, however long its L); a module's chain always drafts its cap, so it drafts after K is known
-        drafts = [None if i in r.drafters else r.arms[i].propose(r.ctx, c, None) if c else Draft.empty()
-                  for r, i, c in zip(self.rows, picks, caps)]
-        if self.length == "cost" and any(d is None or len(d) for d in drafts) and max(caps):
-            # K is chosen jointly on the lengths the rows would draft, then every draft is cut to K
-            K = joint_length(alphas, [c if d is None else len(d) for d, c in zip(drafts, caps)], steps)
-            drafts = [d if d is None or len(d) <= K else _prefix(d, K) for d in drafts]
-            caps = [min(c, K) for c in caps]
-        self._propose_batched(picks, caps, drafts)
+        pieces = [self._free_pieces(r, i, c) for r, i, c in zip(self.rows, picks, caps)]
+        cut = None  # the jointly chosen number of draft positions per row (length=cost)
+        if self.length == "cost" and max(caps) and any(p is None or len(p) for ps in pieces for p in ps):
+            # K is chosen jointly on the lengths the rows would draft (a union's: its cap), then every draft is cut
+            # to K positions (a tree to its first K nodes, breadth-first)
+            would = [c if len(ps) != 1 or ps[0] is None else len(ps[0]) for ps, c in zip(pieces, caps)]
+            cut = joint_length(alphas, would, steps)
+            pieces = [[p if p is None or len(p) <= cut else _prefix(p, cut) for p in ps] for ps in pieces]
+            caps = [min(c, cut) for c in caps]
+        self._propose_batched(picks, caps, pieces)
+        drafts = [r.arms[i].combine(ps, cut) for r, i, ps in zip(self.rows, picks, pieces)]
         lens = [1 + len(d) for d in drafts]
         W = max(lens)
         B = len(self.rows)
         ids = torch.full((B, W), self.pad_id, dtype=torch.long)
         pos = torch.zeros(B, W, dtype=torch.long)
         block_valid = torch.zeros(B, W, dtype=torch.bool)
+        trees = [d.is_tree for d in drafts]
+        within = torch.tril(torch.ones(W, W, dtype=torch.bool)).repeat(B, 1, 1) if any(trees) else None
         for b, (r, d) in enumerate(zip(self.rows, drafts)):
             ids[b, 0] = r.ctx[-1]
             if len(d):
                 ids[b, 1:lens[b]] = d.tokens.to(torch.long).cpu()
             pos[b] = len(r.ctx) - 1 + torch.arange(W)
             block_valid[b, :lens[b]] = True
+            if trees[b]:  # a node sits at its depth and sees the last token, its ancestors and itself
+                anc = ancestor_matrix(torch.cat([torch.tensor([-1]), d.parents + 1]))  # the last token is the root
+                pos[b, :lens[b]] = len(r.ctx) - 2 + anc.sum(1)
+                within[b, :lens[b], :lens[b]] = anc
         t1 = time.perf_counter()
-        logits, seconds, hidden = self._forward(ids, pos, block_valid,
-                                                hidden=any(map(_needs_hidden, self.rows)))
+        logits, seconds, hidden = self._forward(ids, pos, block_valid, hidden=any(map(_needs_hidden, self.rows)),
+                                                within=within)
         self.cost.observe(B * W, context, seconds)
         keep = torch.zeros(B, W, dtype=torch.bool)
         accepted = []
@@ -453,7 +489,11 @@ class BatchEngine:
         for b, (r, d, i) in enumerate(zip(self.rows, drafts, picks)):
             remaining = r.remaining
             outcome = r.verifier.verify(logits[b, :lens[b]].float(), d)
-            keep[b, :outcome.accepted + 1] = True
+            # the block slots that produced the row's tokens: the last token's, then the accepted drafts' (a
+            # tree's accepted root path)
+            kept = (list(range(outcome.accepted + 1)) if outcome.path is None
+                    else [0] + [1 + int(n) for n in outcome.path])
+            keep[b, kept] = True
             new = outcome.tokens[:r.remaining]
             for j, tok in enumerate(new):
                 if tok in self.eos:
@@ -464,12 +504,13 @@ class BatchEngine:
             r.tokens.extend(new)
             r.last = new
             for j, a in enumerate(r.arms):
-                if j not in r.drafters:
-                    a.observe(r.ctx, None)
+                for k, part in enumerate(a.parts):
+                    if (j, k) not in r.drafters:
+                        part.observe(r.ctx, None)
             for drafter in {id(d): d for d in r.drafters.values()}.values():  # once each, however many arms use it
                 # (an EAGLE head: the target's features at the positions that produced the new tokens)
                 f = feats.get(id(drafter))
-                drafter.observe(b, None if f is None else f[b, :len(new)], new)
+                drafter.observe(b, None if f is None else f[b, kept[:len(new)]], new)
             # a row's share of the round: its part of the drafting and of the block's forward; its step the
             # batch's one-token forward per row (so a throughput reward sees what a token costs at this load)
             rec = RoundRecord(arm=i, drafted=len(d), accepted=min(outcome.accepted, len(new)), new_tokens=len(new),
@@ -482,7 +523,7 @@ class BatchEngine:
             if r.pending is not None:
                 r.scorer.after_round(r.policy, rec, seen[r.rid], getattr(r.arms[i], "last_match", 0), r.pending,
                                      r.rounds, r.tokens, remaining, finished=r.done)
-            self.acceptance.observe(r, i, len(d), outcome.accepted)
+            self.acceptance.observe(r, i, d.depth, outcome.accepted)
             if len(d):
                 a_ = float(rec.accepted)
                 self.ema_accepted = a_ if self.ema_accepted is None else 0.9 * self.ema_accepted + 0.1 * a_
@@ -533,11 +574,12 @@ class BatchEngine:
             self.cache.commit(torch.zeros(B, w, dtype=torch.bool))  # the probe's slots are never visible again
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, block_valid: torch.Tensor,
-                 hidden: bool = False) -> tuple[torch.Tensor, float, tuple | None]:
+                 hidden: bool = False, within: torch.Tensor | None = None) -> tuple[torch.Tensor, float, tuple | None]:
         """One target forward of a ``[B, W]`` block over the batch cache (created by the first one): its logits,
         its seconds (the device synchronised) and, with ``hidden``, its HF ``hidden_states`` (what the EAGLE
-        drafters read). The caller commits the block's slots it keeps."""
-        mask = self.cache.block(block_valid, self.dtype, self.device)
+        drafters read). ``within``: the block's own visibility when some row's block is a tree (RowCache.attention).
+        The caller commits the block's slots it keeps."""
+        mask = self.cache.block(block_valid, self.dtype, self.device, within)
         t = time.perf_counter()
         with torch.inference_mode():
             out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
@@ -545,17 +587,26 @@ class BatchEngine:
         synchronize(self.device)
         return out.logits, time.perf_counter() - t, out.hidden_states if hidden else None
 
-    def _propose_batched(self, picks: list[int], caps: list[int], drafts: list[Draft | None]) -> None:
-        """Fill ``drafts[b]`` (None) of the rows whose chosen arm drafts batched: one call per module, its rows
-        together."""
-        groups: dict[int, tuple[BatchDrafter, list[int]]] = {}  # id(drafter) -> it and the rows drafting with it
+    def _free_pieces(self, row: Row, i: int, cap: int) -> list[Draft | None]:
+        """The drafts of arm ``i``'s parts for ``row`` up to ``cap`` tokens (each part up to its own L too): a
+        model-free part's now, None for a part a batch drafter drafts (:meth:`_propose_batched`)."""
+        return [None if (i, j) in row.drafters else part.propose(row.ctx, min(part.L, cap), None) if cap
+                else Draft.empty() for j, part in enumerate(row.arms[i].parts)]
+
+    def _propose_batched(self, picks: list[int], caps: list[int], pieces: list[list[Draft | None]]) -> None:
+        """Fill the pieces (None) that batch drafters draft: one call per module, every row drafting with it
+        together (a part drafts up to its own L and the row's cap)."""
+        groups: dict[int, tuple[BatchDrafter, list[tuple[int, int]]]] = {}  # id(drafter) -> it, (row, part)s
         for b, (r, i) in enumerate(zip(self.rows, picks)):
-            if drafts[b] is None:
-                groups.setdefault(id(r.drafters[i]), (r.drafters[i], []))[1].append(b)
-        for d, rows in groups.values():
-            out = d.propose(rows, [caps[b] for b in rows], [self.rows[b].arms[picks[b]] for b in rows])
-            for b, draft in zip(rows, out):
-                drafts[b] = draft
+            for j, p in enumerate(pieces[b]):
+                if p is None:
+                    d = r.drafters[(i, j)]
+                    groups.setdefault(id(d), (d, []))[1].append((b, j))
+        for d, at in groups.values():
+            parts = [self.rows[b].arms[picks[b]].parts[j] for b, j in at]
+            out = d.propose([b for b, _ in at], [min(p.L, caps[b]) for p, (b, _) in zip(parts, at)], parts)
+            for (b, j), draft in zip(at, out):
+                pieces[b][j] = draft
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, max_batch: int | None = None) -> list[Row]:
         """Decode every prompt, at most ``max_batch`` rows at a time (None = all at once); a finished row's place

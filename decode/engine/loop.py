@@ -30,7 +30,6 @@ from ..core.models import eos_token_ids
 from ..choose.policies.base import Policy
 from ..core.sampling import SamplingConfig
 from ..core.target import Target
-from ..core.tree import depths
 from ..core.verify import Verifier
 
 
@@ -265,7 +264,7 @@ class SpecEngine:
                 break
         self.commit(state, new, hidden)
         # accepted draft tokens cut off by EOS are not counted: new = kept draft tokens (+ the bonus)
-        depth = _depth(draft)
+        depth = draft.depth
         rec = RoundRecord(arm=i, drafted=len(draft), accepted=min(outcome.accepted, len(new)),
                           new_tokens=len(new), draft_time=t1 - t0, verify_time=t4 - t1, tv=outcome.tv,
                           accept_prob=outcome.accept_prob, max_len=a.L, step_time=self.step_time,
@@ -313,13 +312,6 @@ class SpecEngine:
         while not state.done:
             self.step(state)
         return self.finish(state)
-
-
-def _depth(draft) -> int:
-    """Draft positions along the longest root path: ``len(draft)`` for a chain, the depth for a tree."""
-    if draft.parents is None or not draft.is_tree:
-        return len(draft)
-    return int(depths(draft.parents).max())
 
 
 def target_run_model(model, linear: str) -> tuple[torch.nn.Module, str, dict | None]:

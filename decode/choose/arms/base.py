@@ -98,8 +98,14 @@ class Arm:
 
     @property
     def parts(self) -> tuple["Arm", ...]:
-        """The arms whose modules draft for this one: itself; a union's sub-arms (what packing must reach)."""
+        """The arms that draft for this one: itself; a union's sub-arms (what packing reaches, what batched rounds
+        draft one by one and then :meth:`combine`)."""
         return (self,)
+
+    def combine(self, drafts: list[Draft], max_nodes: int | None = None) -> Draft:
+        """This arm's draft from its :attr:`parts`' drafts (one each, in order): a single part's as it is.
+        ``max_nodes``: a length controller's cut, for arms whose draft is a tree."""
+        return drafts[0]
 
 
 ARMS = Registry("arm")

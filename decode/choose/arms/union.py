@@ -81,12 +81,14 @@ class UnionArm(Arm):
             a.observe(context, hidden if a.uses_target_hidden else None)
 
     def propose(self, context, max_len, keep_going=None) -> Draft:
-        chains = []
-        for a in self.arms:
-            d = a.propose(context, min(a.L, max_len), keep_going)
-            for c in leaf_chains(d):
-                chains.append(Draft(c.tokens) if self.greedy else c)
-        return merge_chains(chains, max_nodes=self.nodes)
+        return self.combine([a.propose(context, min(a.L, max_len), keep_going) for a in self.arms])
+
+    def combine(self, drafts: list[Draft], max_nodes: int | None = None) -> Draft:
+        """The sub-arms' drafts merged into one tree of at most ``nodes`` (and ``max_nodes``) nodes."""
+        chains = [Draft(c.tokens) if self.greedy else c for d in drafts for c in leaf_chains(d)]
+        if not chains:
+            return Draft.empty()
+        return merge_chains(chains, max_nodes=self.nodes if max_nodes is None else min(self.nodes, max_nodes))
 
 
 def _check(typed: dict) -> None:
