@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The shipped pool (recipes/pools/pretrained.yaml: the trained EAGLE head in pretrained/ + prompt lookup + suffix
-# tree) under UCBSpec and the per-round router, against plain HF generate and transformers' prompt lookup.
+# tree + the head and prompt lookup in one tree) under UCBSpec and the per-round router, against plain HF generate
+# and transformers' prompt lookup.
 demo: $(STAMP)
 	$(PY) -m decode eval --arms "" --pool recipes/pools/pretrained.yaml --policies "ucbspec;router:carry=true" \
 		--peers "hf-pld:L=4" --max-new-tokens 64 --fresh --out runs/demo/report.json

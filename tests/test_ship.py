@@ -78,6 +78,8 @@ def test_the_shipped_pool_resolves_from_any_directory(tmp_path, monkeypatch):
     path = eagle.split("path=")[1].split(",")[0]
     assert Path(path).is_absolute() and (Path(path) / "head.json").is_file() and "L=3" in eagle
     assert (Path(path) / "SHIPPED.md").is_file() and (Path(path) / "run.json").is_file()
+    union = next(s for s in specs if s.startswith("union:"))
+    assert f"eagle:path={path}:L=2+pld:L=4" in union  # the union's head: the same folder, resolved alike
     assert REPO_ROOT == REPO
     pool = tmp_path / "pool.yaml"
     pool.write_text("arms: ['eagle:path=pretrained/no-such-head,L=2']\n")

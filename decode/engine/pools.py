@@ -108,17 +108,28 @@ def load_pool(path: str | Path) -> list[str]:
         name, params = parse_spec(spec)
         if name not in known:
             raise UserError(f"pool {p}: arms[{i}] '{spec}': unknown arm '{name}'; known arms: {', '.join(sorted(known))}")
-        if "path" in params:
-            folder = resolve_repo_path(params["path"])
-            if folder is None:
-                raise UserError(f"pool {p}: arms[{i}] '{spec}': path {params['path']} does not exist (relative "
-                                f"paths are looked up under {REPO_ROOT} and the working directory)")
-            params["path"] = str(folder)
-            spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in params.items())
-        specs.append(spec.strip())
+        specs.append(_with_paths_resolved(spec.strip(), f"pool {p}: arms[{i}] '{spec}'"))
     if not specs:
         raise UserError(f"pool {p} names no drafters and no arms; add entries under 'drafters' or 'arms'")
     return specs
+
+
+def _with_paths_resolved(spec: str, where: str) -> str:
+    """``spec`` with its ``path=`` (and a union's sub-arms' paths) made absolute: a pool works from any directory."""
+    name, params = parse_spec(spec)
+    if name == "union" and "arms" in params:
+        from ..choose.arms.union import sub_specs
+        subs = [_with_paths_resolved(sub, where) for sub in sub_specs(str(params["arms"]))]
+        params["arms"] = "+".join(sub.replace(",", ":") for sub in subs)
+    elif "path" in params:
+        folder = resolve_repo_path(params["path"])
+        if folder is None:
+            raise UserError(f"{where}: path {params['path']} does not exist (relative paths are looked up under "
+                            f"{REPO_ROOT} and the working directory)")
+        params["path"] = str(folder)
+    else:
+        return spec
+    return f"{name}:" + ",".join(f"{k}={v}" for k, v in params.items())
 
 
 def collect_arm_specs(arms: str | None, pool: str | None, example: str) -> list[str]:
