@@ -562,8 +562,9 @@ class BatchWorker(Worker):
             gen = torch.Generator().manual_seed(self._seed(job))  # the verifier draws its uniforms on the CPU
             for a in arms:
                 a.set_sampling(job.sampling)
-                if hasattr(a, "generator"):  # an arm that samples its drafts (EAGLE) draws from the row's own too
-                    a.generator = gen
+                for part in a.parts:  # an arm that samples its drafts (EAGLE; a union's) draws from the row's own too
+                    if hasattr(part, "generator"):
+                        part.generator = gen
             verifier = Verifier(job.sampling, self.engine.verifier.backend, gen)
             rid = self.batch.add(job.prompt_ids, job.max_tokens, arms=arms, policy=policy, verifier=verifier)
         except Exception as exc:
