@@ -126,9 +126,11 @@ def test_full_information_and_cost_policies_learn_per_row_and_stay_lossless(mode
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 20), p
         assert r.pending == []  # every counterfactual round resolved by the end
-        assert all(rec.feedback is not None and len(rec.feedback) == len(POOL) for rec in r.rounds)
+        assert all(rec.feedback is None or len(rec.feedback) == len(POOL) for rec in r.rounds)
     played = sum(len(r.rounds) for r in rows)
-    assert shared.n_obs.sum() == played * len(POOL)  # each round taught every arm, played or not
+    plain = sum(len(h.rows) for h in eng.history if h.plain)  # rounds that could not speculate: no counterfactuals
+    assert sum(rec.feedback is not None for r in rows for rec in r.rounds) == played - plain
+    assert shared.n_obs.sum() == (played - plain) * len(POOL) + plain  # each other round taught every arm
 
 
 @pytest.mark.slow
@@ -205,6 +207,35 @@ def test_no_row_drafts_when_no_length_can_pay_even_at_its_cap(model, steps, draf
         assert r.tokens == plain_greedy(model, p, 16), p
     assert any(m > 0 for m in asked) == drafts
     assert ({h.width for h in eng.history} == {1}) != drafts
+
+
+@pytest.mark.parametrize("steps, speculates", [(lambda W: float(W), False), (lambda W: 1.0 + 0.01 * (W - 1), True)])
+def test_rounds_that_cannot_speculate_make_no_counterfactual_drafts(model, monkeypatch, steps, speculates):
+    """The router batched under cost lengths: once the curve says no row could pay even with its best arm at its
+    longest cap, the round is plain: no counterfactual drafts (every row's lookups would be pure loss at large B),
+    while the rounds queued before still settle; lossless, and every pending round resolved by the end."""
+    from decode.choose.feedback import CounterfactualScorer
+
+    before = CounterfactualScorer.before_round
+    calls = []
+    monkeypatch.setattr(CounterfactualScorer, "before_round",
+                        lambda self, *a, **k: calls.append(1) or before(self, *a, **k))
+    env = ArmEnv(model, TinyTokenizer(model.config.vocab_size), GREEDY)
+    shared = build_policy("router:carry=true", len(POOL), 4)
+    eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared, Verifier(GREEDY, "torch"),
+                      length="cost")
+    eng.block_steps = lambda B, W, context: steps(W)
+    rows = eng.generate(PROMPTS, 16, max_batch=4)
+    for p, r in zip(PROMPTS, rows):
+        assert r.tokens == plain_greedy(model, p, 16), p
+        assert r.pending == []
+    plain = [h for h in eng.history if h.plain]
+    assert all(h.width == 1 for h in plain)
+    assert len(calls) == sum(len(h.rows) for h in eng.history if not h.plain)
+    if speculates:  # plain only where every row had one token left
+        assert len(plain) <= 2 and any(h.width > 1 for h in eng.history)
+    else:  # only the first rounds, before the curve was measured, proposed counterfactually
+        assert len(plain) >= len(eng.history) - 2
 
 
 def test_schedules_people_use_as_baselines(model):

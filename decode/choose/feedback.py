@@ -117,6 +117,12 @@ class CounterfactualScorer:
         times.pop(record.arm, None)
         pending.append(PendingRound(len(rounds) - 1, len(tokens) - record.new_tokens, remaining, drafts, times,
                                     features))
+        self.settle(policy, pending, rounds, tokens, finished)
+
+    def settle(self, policy, pending: list[PendingRound], rounds: list[RoundRecord], tokens: list[int],
+               finished: bool) -> None:
+        """Hand every pending round that the emitted ``tokens`` now complete its reward vector; what a round whose
+        counterfactual drafts were not made (a batched round that could not speculate) still owes the earlier ones."""
         for p in self.resolve(pending, rounds, tokens, finished=finished):
             played = rounds[p.round_index]
             policy.update_full(played.arm, played.feedback, p.features)

@@ -23,7 +23,10 @@ scores B·W queries), refined by every round at whatever B it runs, and seeded b
 choice; c_B(W) = t(B·W) / t(B), so a batch size never seen reads what the others measured (a per-B curve would
 need a probe each time a row finishes and B changes). Each
 row's chosen arm has an acceptance estimate α (per position; the pool's statistics are shared across rows, so what
-request N learnt steers request N + 1, and a row's own rounds refine its estimate). First the choice is made on
+request N learnt steers request N + 1, and a row's own rounds refine its estimate). Before any row chooses, the
+round is made plain when no K could pay even if every row played its most accepted arm at its longest cap: then no
+row drafts and a full-information policy (the router) gets no counterfactual drafts that round (their lookups were
+the router's whole loss to plain batching at B = 16; the rounds queued before still settle). First the choice is made on
 every row's cap (its arm's L): when even that gives K = 0, no row drafts at all (a real draft is at most its cap,
 so it could not pay either; at large B most rounds are such, and their lookups were pure loss). Otherwise every
 row drafts up to its cap (model-free drafting is cheap), then all drafts are cut to one K chosen jointly for the
@@ -242,6 +245,7 @@ class BatchRound:
     accepted: list[int]
     draft_time: float
     verify_time: float
+    plain: bool = False  # no row could speculate, so nothing drafted and no counterfactual draft was made
 
 
 class Acceptance:
@@ -423,14 +427,15 @@ class BatchEngine:
         if not self.rows:
             return []
         t0 = time.perf_counter()
+        context = max(len(r.ctx) for r in self.rows)
+        plain = self.length == "cost" and self._nothing_pays(context)
         seen: dict[int, tuple] = {}  # row id -> its counterfactual drafts, their times and the features shown
         picks = []
         for r in self.rows:
-            if r.pending is not None:  # every scorable arm proposes from the same prefix, the router reads it
+            if r.pending is not None and not plain:  # every scorable arm proposes from the same prefix, the router reads it
                 seen[r.rid] = r.scorer.before_round(r.policy, r.ctx, r.remaining)
             picks.append(r.policy.select())
-        caps = [max(0, min(r.arms[i].L, r.remaining - 1)) for r, i in zip(self.rows, picks)]
-        context = max(len(r.ctx) for r in self.rows)
+        caps = [0 if plain else max(0, min(r.arms[i].L, r.remaining - 1)) for r, i in zip(self.rows, picks)]
         if self.length == "schedule":
             caps = [min(c, scheduled_length(self.schedule, len(self.rows))) for c in caps]
         elif self.length == "ema":
@@ -517,12 +522,14 @@ class BatchEngine:
                               draft_time=(t1 - t0) / B, verify_time=seconds / B, tv=outcome.tv,
                               accept_prob=outcome.accept_prob, max_len=r.arms[i].L, step_time=step)
             r.rounds.append(rec)
-            if r.pending is not None:
+            if r.rid in seen:
                 show(r.policy, seen[r.rid][2])  # a policy shared by the rows learns under this row's features
             r.policy.update(i, rec)
-            if r.pending is not None:
+            if r.rid in seen:
                 r.scorer.after_round(r.policy, rec, seen[r.rid], getattr(r.arms[i], "last_match", 0), r.pending,
                                      r.rounds, r.tokens, remaining, finished=r.done)
+            elif r.pending is not None:  # no counterfactual drafts this round: only the earlier rounds settle
+                r.scorer.settle(r.policy, r.pending, r.rounds, r.tokens, finished=r.done)
             self.acceptance.observe(r, i, d.depth, outcome.accepted)
             if len(d):
                 a_ = float(rec.accepted)
@@ -531,12 +538,25 @@ class BatchEngine:
         self.cache.commit(keep)
         t2 = time.perf_counter()
         self.history.append(BatchRound([r.rid for r in self.rows], W, [len(d) for d in drafts], accepted,
-                                       t1 - t0, t2 - t1))
+                                       t1 - t0, t2 - t1, plain))
         finished = self._drop_finished()
         for r in finished:
             r.finished = t2
         self.cache.tidy(self.compact_slack)  # padding and rejected drafts piled up: attend over what is valid only
         return finished
+
+    def _nothing_pays(self, context: int) -> bool:
+        """Before any row chooses (length=cost): whether no draft could pay for this batch even if every row played
+        its most accepted arm at its longest cap (or no row has room for one). Then the round is a plain step: no row drafts and no counterfactual
+        draft is made for a full-information policy (at large B most rounds are such, and every row's lookups for
+        the router were pure loss). Needs a measured curve (two sizes); until then the round goes on as usual."""
+        caps = [max(0, min(max(a.L for a in r.arms), r.remaining - 1)) for r in self.rows]
+        if not max(caps):  # no row has room for a draft (each has one token left)
+            return True
+        if len(self.cost.sizes()) < 2:
+            return False
+        alphas = [max(self.acceptance.alpha(r, i) for i in range(len(r.arms))) for r in self.rows]
+        return joint_length(alphas, caps, lambda w: self.block_steps(len(self.rows), w, context)) == 0
 
     def block_steps(self, B: int, W: int, context: int) -> float:
         """c_B(W): a forward of a block W wide over B rows, in forwards of one position per row: t(B·W) / t(B)
