@@ -136,6 +136,8 @@ def test_union_rows_draft_the_serial_unions_trees_and_stay_lossless(model, monke
                         or trees[-1])
     eng = _engine(model, module, pool=("union", "pld:L=3", "none"), policy="ucbspec" if length == "cost" else "random",
                   length=length)
+    if length == "cost":  # positions nearly free, so K > 0 and trees get cut (a tiny model's own costs are noise)
+        eng._steps = lambda context, modules: (lambda w: 1.0 + 0.01 * (w - 1))
     rows = eng.generate(PROMPTS, 20, max_batch=4)
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 20), p
@@ -333,3 +335,22 @@ def test_sampled_union_rows_follow_the_targets_distribution():
     keep = exp >= 5
     pval = chisquare(obs[keep].numpy(), (exp[keep] / exp[keep].sum() * obs[keep].sum()).numpy()).pvalue
     assert pval > 1e-3, (obs.tolist(), exp.tolist())
+
+
+@pytest.mark.parametrize("module_seconds, eagle_drafts", [(1.0, False), (0.0, True)])
+def test_cost_lengths_count_the_modules_own_forwards(model, monkeypatch, module_seconds, eagle_drafts):
+    """length=cost weighs a module's chain with its own forwards (a catch-up and one per draft position, at their
+    measured seconds): when those cost far more than the block's extra positions, the head's rows do not draft while
+    a lookup's rows still do; when they are free, the head drafts. Lossless either way."""
+    seen = _spy(monkeypatch)
+    eng = _engine(model, _module(model, "eagle1"), pool=("neural", "pld:L=3"), policy="random", length="cost")
+    eng.block_steps = lambda B, W, context: 1.0 + 0.05 * (W - 1)  # extra positions nearly free
+    ids = [eng.add(p, 16) for p in PROMPTS[:4]]
+    done = {}
+    while eng.rows:
+        eng.module_seconds = module_seconds  # what the rounds measure, pinned for the test
+        done.update({r.rid: r for r in eng.step()})
+    for rid, p in zip(ids, PROMPTS):
+        assert done[rid].tokens == plain_greedy(model, p, 16), p
+    assert any(len(d) for _, _, d in seen) == eagle_drafts
+    assert any(rec.arm == 1 and rec.drafted for rid in ids for rec in done[rid].rounds)  # the lookup drafts

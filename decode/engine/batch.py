@@ -31,8 +31,11 @@ every row's cap (its arm's L): when even that gives K = 0, no row drafts at all 
 so it could not pay either; at large B most rounds are such, and their lookups were pure loss). Otherwise every
 row drafts up to its cap (model-free drafting is cheap), then all drafts are cut to one K chosen jointly for the
 batch on the lengths d_r actually drafted, to maximise Σ_rows E_r(min(K, d_r)) / c_B(1 + K) with
-E(k) = 1 + α + … + α^k (the expected tokens of a chain whose positions each survive with α). As B grows the
-block's cost rises with W, and speculation backs off by itself; it returns when the batch shrinks.
+E(k) = 1 + α + … + α^k (the expected tokens of a chain whose positions each survive with α). When a row's arm drafts
+with a module (an EAGLE head, a drafter, a union holding one), the cost adds that module's forwards (a catch-up and
+one per draft position, at the seconds the rounds measured), and the module's rows are left out of the round when
+the others' cheap drafts alone expect more per unit of cost. As B grows the block's cost rises with W, and
+speculation backs off by itself; it returns when the batch shrinks.
 ``length="fixed"``: every row drafts its arm's L. The schedules production engines use, as baselines:
 ``length="schedule:1-2=4,3-4=2,5-=0"`` (vLLM's ``num_speculative_tokens_per_batch_size``, TensorRT-LLM's
 ``draft_len_schedule``: K from the batch size alone) and ``length="ema:1,2,4"`` (SGLang's ``--speculative-adaptive``
@@ -277,6 +280,11 @@ def _prefix(draft: Draft, k: int) -> Draft:
                  None if draft.hidden is None else draft.hidden[:k])
 
 
+def _drafts_with_module(row: Row, arm: int) -> bool:
+    """Whether the row's arm ``arm`` (or a part of it, in a union) drafts with a batch drafter's module."""
+    return any((arm, j) in row.drafters for j in range(len(row.arms[arm].parts)))
+
+
 def _needs_hidden(row: Row) -> bool:
     """Whether the row drafts with a module that reads the target's hidden states (an EAGLE head)."""
     return any(d.needs_hidden for d in row.drafters.values())
@@ -290,12 +298,17 @@ def expected_tokens(alpha: float, k: int) -> float:
 def joint_length(alphas: list[float], caps: list[int], cost: Callable[[int], float]) -> int:
     """The draft length K every row drafts (up to its cap) that maximises the batch's expected tokens per unit of
     cost: argmax_K Σ_r E(α_r, min(K, cap_r)) / cost(1 + K); the shortest K among ties."""
+    return best_length(alphas, caps, cost)[0]
+
+
+def best_length(alphas: list[float], caps: list[int], cost: Callable[[int], float]) -> tuple[int, float]:
+    """:func:`joint_length`'s K and the expected tokens per unit of cost it gives."""
     best, best_value = 0, -1.0
     for K in range(max(caps, default=0) + 1):
         value = sum(expected_tokens(a, min(K, c)) for a, c in zip(alphas, caps)) / cost(1 + K)
         if value > best_value * (1 + 1e-9):
             best, best_value = K, value
-    return best
+    return best, best_value
 
 
 class BatchEngine:
@@ -312,6 +325,9 @@ class BatchEngine:
                  length: str = "fixed", cost: CostCurve | None = None, stock_model=None):
         self.length, self.schedule, self.tiers = parse_length(length)
         self.ema_accepted: float | None = None  # accepted drafts per row-round, smoothed (length=ema)
+        # seconds of one forward of the drafting modules (a catch-up, then one per draft position), smoothed over the
+        # rounds that drafted with one: what a module's chain costs beside the block (length=cost, :meth:`_steps`)
+        self.module_seconds: float | None = None
         # t(n): seconds of a forward scoring n positions in all (B rows × W), per context bucket; pass one curve to
         # several engines on the same target and machine (an evaluation's segments) and what one measured the next
         # reuses. c_B(W) = t(B·W) / t(B) (:meth:`block_steps`)
@@ -445,7 +461,7 @@ class BatchEngine:
         if self.length == "cost" and max(caps):
             self._seed_cost(max(caps) + 1, context)
             alphas = [self.acceptance.alpha(r, i) for r, i in zip(self.rows, picks)]
-            steps = lambda w: self.block_steps(len(self.rows), w, context)  # noqa: E731
+            caps, steps = self._module_rows_draft(alphas, caps, picks, context)
             # if no K pays even when every row drafts its cap, none can once they have drafted (a draft is at most
             # its cap, and a shorter one only lowers what K buys): no row drafts, so no lookup or module forward
             # is spent on a round that verifies one position per row
@@ -462,7 +478,12 @@ class BatchEngine:
             cut = joint_length(alphas, would, steps)
             pieces = [[p if p is None or len(p) <= cut else _prefix(p, cut) for p in ps] for ps in pieces]
             caps = [min(c, cut) for c in caps]
+        module_rows = [b for b, ps in enumerate(pieces) if any(p is None for p in ps) and caps[b]]
+        ta = time.perf_counter()
         self._propose_batched(picks, caps, pieces)
+        if module_rows:  # a catch-up forward, then one per draft position (the drafts are on the host: synchronised)
+            per = (time.perf_counter() - ta) / (1 + max(caps[b] for b in module_rows))
+            self.module_seconds = per if self.module_seconds is None else 0.8 * self.module_seconds + 0.2 * per
         drafts = [r.arms[i].combine(ps, cut) for r, i, ps in zip(self.rows, picks, pieces)]
         lens = [1 + len(d) for d in drafts]
         W = max(lens)
@@ -547,16 +568,53 @@ class BatchEngine:
 
     def _nothing_pays(self, context: int) -> bool:
         """Before any row chooses (length=cost): whether no draft could pay for this batch even if every row played
-        its most accepted arm at its longest cap (or no row has room for one). Then the round is a plain step: no row drafts and no counterfactual
+        its most accepted arm at its longest cap (or no row has room for one); arms that draft with a module are
+        weighed with their module's forwards (:meth:`_steps`), model-free ones without. Then the round is a plain step: no row drafts and no counterfactual
         draft is made for a full-information policy (at large B most rounds are such, and every row's lookups for
         the router were pure loss). Needs a measured curve (two sizes); until then the round goes on as usual."""
-        caps = [max(0, min(max(a.L for a in r.arms), r.remaining - 1)) for r in self.rows]
-        if not max(caps):  # no row has room for a draft (each has one token left)
+        if all(r.remaining <= 1 for r in self.rows):  # no row has room for a draft (each has one token left)
             return True
         if len(self.cost.sizes()) < 2:
             return False
-        alphas = [max(self.acceptance.alpha(r, i) for i in range(len(r.arms))) for r in self.rows]
-        return joint_length(alphas, caps, lambda w: self.block_steps(len(self.rows), w, context)) == 0
+        for modules in (False, True):  # the arms that draft with a module pay its forwards too (:meth:`_steps`)
+            alphas, caps = [], []
+            for r in self.rows:
+                mine = [i for i in range(len(r.arms)) if _drafts_with_module(r, i) == modules]
+                alphas.append(max((self.acceptance.alpha(r, i) for i in mine), default=0.0))
+                caps.append(max(0, min(max((r.arms[i].L for i in mine), default=0), r.remaining - 1)))
+            if max(caps) and joint_length(alphas, caps, self._steps(context, modules)) > 0:
+                return False
+        return True
+
+    def _module_rows_draft(self, alphas: list[float], caps: list[int], picks: list[int],
+                           context: int) -> tuple[list[int], Callable[[int], float]]:
+        """(caps, cost) for this round's joint length: with the rows whose arm drafts with a module drafting, their
+        module's forwards counted (:meth:`_steps`), or those rows not drafting at all, whichever expects more tokens per
+        unit of cost; the other rows' cheap drafts stay possible either way."""
+        modules = [_drafts_with_module(r, i) for r, i in zip(self.rows, picks)]
+        steps = self._steps(context, modules=any(modules))
+        if not any(m and c for m, c in zip(modules, caps)):
+            return caps, steps
+        without = [0 if m else c for m, c in zip(modules, caps)]
+        plain = self._steps(context, modules=False)
+        if best_length(alphas, without, plain)[1] >= best_length(alphas, caps, steps)[1]:
+            return without, plain
+        return caps, steps
+
+    def _steps(self, context: int, modules: bool) -> Callable[[int], float]:
+        """The cost of a round whose block is w positions per row, in one-position forwards of the batch: the block's
+        c_B(w), plus, when some row drafts with a module (an EAGLE head, a drafter), the module's w forwards (a
+        catch-up and w - 1 draft steps) at their measured seconds: at large B a head's steps cost as much as the
+        block's extra positions, and a length that ignored them speculated at a loss."""
+        B = len(self.rows)
+        one = self.cost.seconds_at(B, context)
+
+        def steps(w: int) -> float:
+            block = self.block_steps(B, w, context)
+            if modules and w > 1 and self.module_seconds and one:
+                return block + self.module_seconds * w / one
+            return block
+        return steps
 
     def block_steps(self, B: int, W: int, context: int) -> float:
         """c_B(W): a forward of a block W wide over B rows, in forwards of one position per row: t(B·W) / t(B)
