@@ -206,9 +206,9 @@ def linear_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
 
 def pack_arm_linears(arms, stock_model: torch.nn.Module) -> int:
     """Pack, in place, the linears of the modules the arms own (an EAGLE head's layer, fc and draft-vocabulary
-    projection; a drafter model; those of a union's sub-arms), once they are loaded. A module of ``stock_model`` is never changed
-    (early-exit stacks run the target's own layers; the hf reference runs them too): only parents the arm
-    owns get a PackedLinear child, which may wrap a shared weight. Returns how many linears were packed."""
+    projection; a drafter model; those of a union's sub-arms), once they are loaded. A module of ``stock_model`` is
+    never changed (early-exit stacks run the target's own layers; the hf reference runs them too): only parents the
+    arm owns get a PackedLinear child, which may wrap a shared weight. Returns how many linears were packed."""
     stock = {id(m) for m in stock_model.modules()}
     seen, packed = set(), 0
     for arm in (p for a in arms for p in getattr(a, "parts", (a,))):  # a union's sub-arms; a batch drafter as it is

@@ -2,9 +2,10 @@
 what an arm that drafts batched runs its own model on (decode/choose/arms/eagle/batched.py).
 
 A forward appends W slots to every row (its block, padded); afterwards a row keeps the slots it needs and marks the
-rest invalid — rollback is a per-row mask, not a crop (a tree's accepted path is kept the same way, whatever slots it sits in). Keys were rotated at their row's *logical* positions, so
-where a slot sits does not matter: attention is over the visible set, and :meth:`RowCache.compact` gathers each
-row's valid slots to the front when padding and rejected drafts pile up. Rows join (prefilled alone, padded into
+rest invalid — rollback is a per-row mask, not a crop (a tree's accepted path is kept the same way, whatever slots
+it sits in). Keys were rotated at their row's *logical* positions, so where a slot sits does not matter: attention
+is over the visible set, and :meth:`RowCache.compact` gathers each row's valid slots to the front when padding and
+rejected drafts pile up. Rows join (prefilled alone, padded into
 the batch: :meth:`RowCache.add`) and leave (:meth:`RowCache.select`) between forwards."""
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ need a probe each time a row finishes and B changes). Each
 row's chosen arm has an acceptance estimate α (per position; the pool's statistics are shared across rows, so what
 request N learnt steers request N + 1, and a row's own rounds refine its estimate). Before any row chooses, the
 round is made plain when no K could pay even if every row played its most accepted arm at its longest cap: then no
-row drafts and a full-information policy (the router) gets no counterfactual drafts that round (their lookups were
-the router's whole loss to plain batching at B = 16; the rounds queued before still settle). First the choice is made on
+row drafts and a full-information policy (the router) gets no counterfactual drafts that round (every row's lookups
+for it would be pure loss; the rounds queued before still settle). First the choice is made on
 every row's cap (its arm's L): when even that gives K = 0, no row drafts at all (a real draft is at most its cap,
 so it could not pay either; at large B most rounds are such, and their lookups were pure loss). Otherwise every
 row drafts up to its cap (model-free drafting is cheap), then all drafts are cut to one K chosen jointly for the
@@ -448,7 +448,7 @@ class BatchEngine:
         seen: dict[int, tuple] = {}  # row id -> its counterfactual drafts, their times and the features shown
         picks = []
         for r in self.rows:
-            if r.pending is not None and not plain:  # every scorable arm proposes from the same prefix, the router reads it
+            if r.pending is not None and not plain:  # every scorable arm proposes from its prefix (the router reads it)
                 seen[r.rid] = r.scorer.before_round(r.policy, r.ctx, r.remaining)
             picks.append(r.policy.select())
         caps = [0 if plain else max(0, min(r.arms[i].L, r.remaining - 1)) for r, i in zip(self.rows, picks)]
@@ -569,9 +569,10 @@ class BatchEngine:
     def _nothing_pays(self, context: int) -> bool:
         """Before any row chooses (length=cost): whether no draft could pay for this batch even if every row played
         its most accepted arm at its longest cap (or no row has room for one); arms that draft with a module are
-        weighed with their module's forwards (:meth:`_steps`), model-free ones without. Then the round is a plain step: no row drafts and no counterfactual
-        draft is made for a full-information policy (at large B most rounds are such, and every row's lookups for
-        the router were pure loss). Needs a measured curve (two sizes); until then the round goes on as usual."""
+        weighed with their module's forwards (:meth:`_steps`), model-free ones without. Then the round is a plain
+        step: no row drafts and no counterfactual draft is made for a full-information policy (at large B most rounds
+        are such, and every row's lookups for the router were pure loss). Needs a measured curve (two sizes); until
+        then the round goes on as usual."""
         if all(r.remaining <= 1 for r in self.rows):  # no row has room for a draft (each has one token left)
             return True
         if len(self.cost.sizes()) < 2:
