@@ -71,8 +71,10 @@ class Draft:
         """Draft positions along the longest root path: ``len`` for a chain, the depth for a tree."""
         if not self.is_tree:
             return len(self)
-        from .tree import depths
-        return int(depths(self.parents).max())
+        depth: list[int] = []
+        for p in self.parents.tolist():  # parents come before their children
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return max(depth)
 
     @staticmethod
     def empty() -> "Draft":
