@@ -16,14 +16,17 @@ NO_TARGET = "/nonexistent/target"  # a spec error must win over the target's own
 
 @pytest.fixture
 def no_model(monkeypatch):
-    """Fail loudly if a check that should come first only comes after loading a model."""
-    import decode.commands.generate
-    import decode.core.models
-    import decode.evaluation.evaluate
+    """Fail loudly if a check that should come first only comes after loading a model. Every module that binds
+    ``load_model`` at import is imported first and patched too: one imported for the first time while the patch is
+    on would keep ``refuse`` for the rest of the worker's tests."""
+    import importlib
 
     def refuse(*a, **k):
         raise AssertionError("model loaded before the input was validated")
-    for mod in (decode.evaluation.evaluate, decode.commands.generate, decode.core.models):
+    modules = [importlib.import_module(name) for name in (  # all imported before any is patched
+        "decode.core.models", "decode.evaluation.evaluate", "decode.evaluation.batched", "decode.commands.generate",
+        "decode.choose.arms.model", "decode.bench.bench_round", "decode.bench.bench_tree", "toolkit.train.drafter")]
+    for mod in modules:
         monkeypatch.setattr(mod, "load_model", refuse)
 
 
