@@ -149,17 +149,18 @@ def plan(target: str, budget_name: str, out: Path, suite: str, device: str | Non
     b = BUDGETS[budget_name]
     distill_root = out / "distill"
     stages: list[tuple[str, list[str]]] = []
+
+    def distill(task: str, name: str, prompts: int, overrides) -> None:
+        stages.append((f"distill:{name}", [
+            "-m", "toolkit", "distill", "--task", task, f"target={target}", f"num_prompts={prompts}",
+            f"generation.max_new_tokens={b.max_new_tokens}", f"out={distill_root / name}",
+            *([f"device={device}"] if device else []), *overrides, "--no-progress"]))
+
     for task in b.tasks:
-        stages.append((f"distill:{task}", [
-            "-m", "toolkit", "distill", "--task", task, f"target={target}", f"num_prompts={b.prompts}",
-            f"generation.max_new_tokens={b.max_new_tokens}", f"out={distill_root / task}",
-            *([f"device={device}"] if device else []), *b.distill_overrides, "--no-progress"]))
+        distill(task, task, b.prompts, b.distill_overrides)
     for task, n in b.greedy:
-        stages.append((f"distill:{task}_greedy", [
-            "-m", "toolkit", "distill", "--task", task, f"target={target}", f"num_prompts={n}",
-            f"generation.max_new_tokens={b.max_new_tokens}", f"out={distill_root / (task + '_greedy')}",
-            *([f"device={device}"] if device else []), *b.greedy_overrides,
-            *([f"max_minutes={b.greedy_minutes}"] if b.greedy_minutes else []), "--no-progress"]))
+        distill(task, f"{task}_greedy", n,
+                [*b.greedy_overrides, *([f"max_minutes={b.greedy_minutes}"] if b.greedy_minutes else [])])
     task = "all" if len(b.tasks) > 1 or b.greedy else b.tasks[0]
     common = [f"target={target}", f"data.root={distill_root}", f"train.max_steps={b.eagle_steps}",
               f"train.epochs={b.epochs}", *([f"train.device={device}"] if device else [])]
@@ -306,8 +307,7 @@ def _run_at_once(stages: list[tuple[str, list[str]]], state: dict, state_path: P
             if proc.wait() != 0:
                 failed.append(f"{name} (exit {proc.returncode}): python {' '.join(argv)}")
                 continue
-            state["stages"][name] = {"command": argv}
-            atomic_write_json(state_path, state, indent=2)
+            _record_finished(name, argv, state, state_path)
     finally:
         for _, _, proc in procs:  # an interrupted pool leaves no distillation running (each resumes on rerun)
             if proc.poll() is None:
@@ -327,5 +327,10 @@ def _run_stage(name: str, argv: list[str], out: Path, args, state: dict, state_p
         if rc != 0:
             raise UserError(f"stage {name} failed (exit {rc}); fix what it printed and rerun the same command "
                             f"(finished stages are skipped): python {' '.join(argv)}")
+    _record_finished(name, argv, state, state_path)
+
+
+def _record_finished(name: str, argv: list[str], state: dict, state_path: Path) -> None:
+    """Mark a stage finished (atomically, so an interruption never marks it done): a rerun skips it."""
     state["stages"][name] = {"command": argv}
     atomic_write_json(state_path, state, indent=2)
