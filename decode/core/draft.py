@@ -66,16 +66,6 @@ class Draft:
             return False
         return not torch.equal(self.parents, torch.arange(-1, len(self) - 1))
 
-    @property
-    def depth(self) -> int:
-        """Draft positions along the longest root path: ``len`` for a chain, the depth for a tree."""
-        if not self.is_tree:
-            return len(self)
-        depth: list[int] = []
-        for p in self.parents.tolist():  # parents come before their children
-            depth.append(1 if p < 0 else depth[p] + 1)
-        return max(depth)
-
     @staticmethod
     def empty() -> "Draft":
         return Draft(torch.empty(0, dtype=torch.long))

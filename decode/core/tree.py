@@ -42,6 +42,11 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
     return ancestor_matrix(parents).sum(1)
 
 
+def draft_depth(draft: Draft) -> int:
+    """Draft positions along the longest root path: ``len(draft)`` for a chain, the depth for a tree."""
+    return int(depths(draft.parents).max()) if draft.is_tree else len(draft)
+
+
 def children(parents: torch.Tensor | list[int]) -> list[list[int]]:
     """Children lists indexed by node + 1 (entry 0 = the root's children), in sibling (index) order."""
     parents = [int(p) for p in parents]

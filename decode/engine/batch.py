@@ -78,7 +78,7 @@ from ..common.device import synchronize
 from ..common.errors import UserError
 from ..core.cost import CostCurve
 from ..core.draft import Draft, RoundRecord
-from ..core.tree import ancestor_matrix
+from ..core.tree import ancestor_matrix, draft_depth
 from ..core.linear import PackedLinear, pack_arm_linears
 from ..core.row_cache import RowCache
 from ..core.target import crop_cache
@@ -461,11 +461,11 @@ class BatchEngine:
         if self.length == "cost" and max(caps):
             self._seed_cost(max(caps) + 1, context)
             alphas = [self.acceptance.alpha(r, i) for r, i in zip(self.rows, picks)]
-            caps, steps = self._module_rows_draft(alphas, caps, picks, context)
+            caps, steps, K = self._module_rows_draft(alphas, caps, picks, context)
             # if no K pays even when every row drafts its cap, none can once they have drafted (a draft is at most
             # its cap, and a shorter one only lowers what K buys): no row drafts, so no lookup or module forward
             # is spent on a round that verifies one position per row
-            if joint_length(alphas, caps, steps) == 0:
+            if K == 0:
                 caps = [0] * len(caps)
         # model-free parts draft first (cheap, and what they find decides their length: a lookup with no match
         # drafts nothing, however long its L); a module's chain always drafts its cap, so it drafts after K is known
@@ -551,7 +551,7 @@ class BatchEngine:
                                      r.rounds, r.tokens, remaining, finished=r.done)
             elif r.pending is not None:  # no counterfactual drafts this round: only the earlier rounds settle
                 r.scorer.settle(r.policy, r.pending, r.rounds, r.tokens, finished=r.done)
-            self.acceptance.observe(r, i, d.depth, outcome.accepted)
+            self.acceptance.observe(r, i, draft_depth(d), outcome.accepted)
             if len(d):
                 a_ = float(rec.accepted)
                 self.ema_accepted = a_ if self.ema_accepted is None else 0.9 * self.ema_accepted + 0.1 * a_
@@ -588,19 +588,19 @@ class BatchEngine:
         return True
 
     def _module_rows_draft(self, alphas: list[float], caps: list[int], picks: list[int],
-                           context: int) -> tuple[list[int], Callable[[int], float]]:
-        """(caps, cost) for this round's joint length: with the rows whose arm drafts with a module drafting, their
-        module's forwards counted (:meth:`_steps`), or those rows not drafting at all, whichever expects more tokens per
-        unit of cost; the other rows' cheap drafts stay possible either way."""
+                           context: int) -> tuple[list[int], Callable[[int], float], int]:
+        """(caps, cost, the joint K on those caps) for this round: with the rows whose arm drafts with a module
+        drafting, their module's forwards counted (:meth:`_steps`), or those rows not drafting at all, whichever
+        expects more tokens per unit of cost; the other rows' cheap drafts stay possible either way."""
         modules = [_drafts_with_module(r, i) for r, i in zip(self.rows, picks)]
         steps = self._steps(context, modules=any(modules))
+        K, value = best_length(alphas, caps, steps)
         if not any(m and c for m, c in zip(modules, caps)):
-            return caps, steps
+            return caps, steps, K
         without = [0 if m else c for m, c in zip(modules, caps)]
         plain = self._steps(context, modules=False)
-        if best_length(alphas, without, plain)[1] >= best_length(alphas, caps, steps)[1]:
-            return without, plain
-        return caps, steps
+        K_without, value_without = best_length(alphas, without, plain)
+        return (without, plain, K_without) if value_without >= value else (caps, steps, K)
 
     def _steps(self, context: int, modules: bool) -> Callable[[int], float]:
         """The cost of a round whose block is w positions per row, in one-position forwards of the batch: the block's

@@ -30,6 +30,7 @@ from ..core.models import eos_token_ids
 from ..choose.policies.base import Policy
 from ..core.sampling import SamplingConfig
 from ..core.target import Target
+from ..core.tree import draft_depth
 from ..core.verify import Verifier
 
 
@@ -264,7 +265,7 @@ class SpecEngine:
                 break
         self.commit(state, new, hidden)
         # accepted draft tokens cut off by EOS are not counted: new = kept draft tokens (+ the bonus)
-        depth = draft.depth
+        depth = draft_depth(draft)
         rec = RoundRecord(arm=i, drafted=len(draft), accepted=min(outcome.accepted, len(new)),
                           new_tokens=len(new), draft_time=t1 - t0, verify_time=t4 - t1, tv=outcome.tv,
                           accept_prob=outcome.accept_prob, max_len=a.L, step_time=self.step_time,
