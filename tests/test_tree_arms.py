@@ -103,6 +103,8 @@ def test_greedy_tree_arms_equal_plain_greedy(cache):
             DrafterModelArm(tiny_llama(seed=2), GREEDY, 3, cache=cache, K=3),
             UnionArm([build_arm("pld:L=4", env), DrafterModelArm(model, GREEDY, 4, cache=cache)], nodes=8),
             EagleTreeArm(head, model, GREEDY, L=4, nodes=10, topk=3, target=t, cache=cache),
+            EagleTreeArm(head, model, GREEDY, L=3, nodes=9, topk=3, expand=1, target=t, cache=cache),
+            build_arm("union:arms=pld:L=3:n=1:K=3+suffix:L=4:min_match=1,nodes=9", env),
             EagleChainsArm(head, model, GREEDY, L=3, K=2, target=t, cache=cache)]
     eng = SpecEngine(t, arms, Verifier(GREEDY))
     trees = 0
@@ -180,6 +182,14 @@ def test_eagle_tree_holds_the_chain_arms_draft_and_respects_its_budget(kind):
     assert best == want and len(d) == 3 + 3 * 3 * 3  # top-3 expansion of 3 nodes per layer, depth 4
     assert tree.cache.length == len(ctx) - 1 and d.q is None
     assert len(small.propose(ctx, 4)) == 7
+    # expand=1: the same chain, each position's runner-ups as leaves, one head row per depth
+    alts = EagleTreeArm(head, model, GREEDY, L=4, nodes=40, topk=3, expand=1, target=t, cache=kind)
+    alts.reset(ctx)
+    d = alts.propose(ctx, 4)
+    kids = children(d.parents)
+    inner = [n for n in range(len(d)) if kids[n + 1]]
+    assert [int(d.tokens[n]) for n in inner] == want[:3] and len(d) == 4 * 3  # only the chain's nodes branch
+    assert [len(kids[n + 1]) for n in [-1] + inner] == [3, 3, 3, 3] and alts.cache.length == len(ctx) - 1
     with pytest.raises(UserError, match="nodes must be"):
         build_arm("eagle:path=x,tree=dynamic,nodes=0", _env(model))
 
@@ -230,7 +240,10 @@ def test_eagle_spec_builds_chains_k_chains_or_the_dynamic_tree(tmp_path):
     chains = build_arm(f"eagle:path={path},L=3,K=3", env)
     assert isinstance(chains, EagleChainsArm) and chains.K == 3
     tree = build_arm(f"eagle:path={path},L=3,tree=dynamic,nodes=9,topk=2", env)
-    assert isinstance(tree, EagleTreeArm) and (tree.nodes, tree.topk) == (9, 2)
+    assert isinstance(tree, EagleTreeArm) and (tree.nodes, tree.topk, tree.expand) == (9, 2, 2)
+    assert build_arm(f"eagle:path={path},tree=dynamic,topk=3,expand=1", env).expand == 1
+    with pytest.raises(UserError, match="add tree=dynamic"):
+        build_arm(f"eagle:path={path},expand=1", env)
     with pytest.raises(UserError, match="pick one"):
         build_arm(f"eagle:path={path},K=2,tree=dynamic", env)
     with pytest.raises(UserError, match="tree must be chain"):

@@ -275,9 +275,11 @@ class Acceptance:
 
 
 def _prefix(draft: Draft, k: int) -> Draft:
-    """A chain draft's first ``k`` tokens (what the arm proposes with ``max_len = k``, for deterministic arms)."""
+    """A chain draft's first ``k`` tokens (what the arm proposes with ``max_len = k``, for deterministic arms); a
+    tree's first ``k`` nodes (a tree still: nodes come after their parents)."""
     return Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k],
-                 None if draft.hidden is None else draft.hidden[:k])
+                 None if draft.hidden is None else draft.hidden[:k],
+                 parents=None if draft.parents is None else draft.parents[:k])
 
 
 def _drafts_with_module(row: Row, arm: int) -> bool:

@@ -25,9 +25,10 @@ TREES = ("chain", "dynamic")
 @register("eagle", check=lambda typed: check_head_folder(typed["path"], expect="eagle"))
 def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None,
           K: Annotated[int, Range(1)] = 1, tree: str = "chain", nodes: Annotated[int, Range(1)] = 16,
-          topk: Annotated[int, Range(1)] = 4, counterfactual: bool = False, dtype: str = "auto"):
+          topk: Annotated[int, Range(1)] = 4, expand: Annotated[int, Range(1)] | None = None, counterfactual: bool = False, dtype: str = "auto"):
     """``eagle:path=HEAD,L=4`` a chain; ``K=k``: k i.i.d. sampled chains verified together (SpecTr k-Seq);
-    ``tree=dynamic,nodes=N,topk=k``: EAGLE-2's dynamic tree (decode/choose/arms/eagle/tree.py).
+    ``tree=dynamic,nodes=N,topk=k``: EAGLE-2's dynamic tree (decode/choose/arms/eagle/tree.py); ``expand=e``: expand
+    the e best nodes per depth instead of topk (``expand=1``: the chain plus each position's runner-up tokens).
     ``counterfactual=true``: in greedy runs a chain is scored when unplayed (full-information policies and the router
     see its would-be draft every round), for L-1 head steps a round (chain.py: measured not to pay, so off).
     ``dtype=bfloat16``: the head's weights and compute in that dtype (half the bytes a draft step reads: faster on
@@ -37,6 +38,9 @@ def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | N
                         f"with nodes=N,topk=k), got '{tree}'")
     if tree == "dynamic" and K > 1:
         raise UserError("eagle: K=k (sampled chains) and tree=dynamic (EAGLE-2) are two tree shapes; pick one")
+    if expand is not None and tree != "dynamic":
+        raise UserError(f"eagle: expand={expand} shapes a dynamic tree; add tree=dynamic (with topk=k for the "
+                        f"children per node)")
     if dtype != "auto" and dtype not in DTYPES:
         raise UserError(f"eagle: dtype must be auto (the target's) or one of {', '.join(DTYPES)}, got '{dtype}'")
 
@@ -49,6 +53,6 @@ def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | N
     kw = dict(generator=env.generator, label=name, target=env.target, cache=env.cache)
     if tree == "dynamic" or K > 1:
         if tree == "dynamic":
-            return EagleTreeArm(head, env.target_model, env.sampling, L, nodes, topk, **kw)
+            return EagleTreeArm(head, env.target_model, env.sampling, L, nodes, topk, expand, **kw)
         return EagleChainsArm(head, env.target_model, env.sampling, L, K, **kw)
     return EagleArm(head, env.target_model, env.sampling, L, counterfactual=counterfactual, **kw)

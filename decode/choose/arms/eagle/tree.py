@@ -3,11 +3,14 @@ chains (SpecTr's setting). Specs (built by the ``eagle`` arm's factory, decode/c
 ``eagle:path=HEAD,tree=dynamic,L=4,nodes=16,topk=4`` or ``eagle:path=HEAD,L=4,K=4``.
 
 Dynamic tree (EAGLE-2): the tree grows layer by layer; a node's value is the product of the head's
-confidences along its path; at each depth the ``topk`` most valuable nodes of the newest layer are
-expanded (fed to the head in one forward with a tree attention mask, decode/core/tree.py
+confidences along its path; at each depth the ``expand`` (default ``topk``) most valuable nodes of the newest
+layer are expanded (fed to the head in one forward with a tree attention mask, decode/core/tree.py
 ``tree_attention``) into their ``topk`` most likely children; finally the ``nodes`` most valuable
 nodes are kept (a child is never worth more than its parent, so a kept node's ancestors are kept) and
 numbered breadth-first, siblings by value.
+``expand=1`` (a deviation from EAGLE-2, which expands ``topk``) is the greedy chain with each position's
+``topk - 1`` runner-up tokens as leaves: one head row per depth, so it drafts at the chain's cost, and the
+runner-ups cover a first-position miss (the chain's most frequent loss) for the price of verifying them.
 Children are deterministic top-k choices, so the draft is one-hot (``q`` None) and verification is
 exact in sampling mode too (recursive rejection sampling with one-hot q).
 
@@ -59,13 +62,16 @@ class _EagleTreeBase(EagleArm):
 class EagleTreeArm(_EagleTreeBase):
     """EAGLE-2's dynamic tree (see the module docstring)."""
 
-    def __init__(self, head, target_model, sampling, L: int = 4, nodes: int = 16, topk: int = 4, **kw):
+    def __init__(self, head, target_model, sampling, L: int = 4, nodes: int = 16, topk: int = 4,
+                 expand: int | None = None, **kw):
         super().__init__(head, target_model, sampling, L, **kw)
         self.nodes, self.topk = int(nodes), int(topk)
+        self.expand = self.topk if expand is None else int(expand)
 
     @property
     def label(self) -> str:
-        return self._label or f"eagle_tree@{self.L}x{self.topk}/{self.nodes}nodes"
+        wide = "" if self.expand == self.topk else f"/expand{self.expand}"
+        return self._label or f"eagle_tree@{self.L}x{self.topk}{wide}/{self.nodes}nodes"
 
     @property
     def max_nodes(self) -> int:
@@ -102,7 +108,7 @@ class EagleTreeArm(_EagleTreeBase):
         add_children(-1, self._confidence(f.unsqueeze(0))[0])
         layer = list(range(len(tok)))
         for _ in range(1, L):
-            expand = sorted(layer, key=lambda n: -val[n])[:self.topk]
+            expand = sorted(layer, key=lambda n: -val[n])[:self.expand]
             if not expand:
                 break
             slot = {n: i for i, n in enumerate(fed)}
