@@ -95,16 +95,25 @@ class RowCache:
         self._set(tensors, T)
 
     def select(self, keep: list[int]) -> None:
-        """Keep the rows ``keep`` (in that order)."""
+        """Keep the rows ``keep`` (in that order). In place: the kept rows' filled slots move to the front rows of the
+        same allocation, which the layers then view (a row leaving copies the filled slots only, once, not the
+        whole capacity into a new allocation: rows finish every few rounds when they speculate)."""
         idx = torch.tensor(keep, dtype=torch.long)
         self.valid = self.valid[idx]
         if not keep:
             self.hf, self.valid = None, torch.zeros(0, 0, dtype=torch.bool)
             return
         if self.hf is not None:
+            n, T = len(keep), self.slots
+            moved = keep != list(range(n))  # else the kept rows are already the first n
             dev = _layers(self.hf)[0].keys.device
-            self._set([(layer.keys[idx.to(dev)], layer.values[idx.to(dev)]) for layer in _layers(self.hf)],
-                      self.slots)
+            idx = idx.to(dev)
+            with torch.inference_mode():  # the slots were written by inference-mode forwards
+                for layer in _layers(self.hf):
+                    if moved:  # the right side is gathered into a new tensor first, so rows may overlap
+                        layer.keys[:n, :, :T] = layer.keys[idx, :, :T]
+                        layer.values[:n, :, :T] = layer.values[idx, :, :T]
+                    layer.keys, layer.values = layer.keys[:n], layer.values[:n]
 
     def attention(self, block_valid: torch.Tensor, dtype: torch.dtype, device,
                   within: torch.Tensor | None = None) -> torch.Tensor:
