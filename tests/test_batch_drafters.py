@@ -345,6 +345,7 @@ def test_cost_lengths_count_the_modules_own_forwards(model, monkeypatch, module_
     seen = _spy(monkeypatch)
     eng = _engine(model, _module(model, "eagle1"), pool=("neural", "pld:L=3"), policy="random", length="cost")
     eng.block_steps = lambda B, W, context: 1.0 + 0.05 * (W - 1)  # extra positions nearly free
+    eng.overhead_steps = lambda B, w, one: 0.0  # and no round work beside the forwards
     ids = [eng.add(p, 16) for p in PROMPTS[:4]]
     done = {}
     while eng.rows:

@@ -202,11 +202,33 @@ def test_no_row_drafts_when_no_length_can_pay_even_at_its_cap(model, steps, draf
     eng = BatchEngine(model, make_arms, lambda K: build_policy("ucbspec", K, 4, seed=next(seeds)),
                       Verifier(GREEDY, "torch", torch.Generator().manual_seed(0)), (), length="cost")
     eng.block_steps = lambda B, W, context: steps(W)  # the block's cost in one-row-block steps, fixed for the test
+    eng.overhead_steps = lambda B, w, one: 0.0  # and no round work beside it (a tiny model's is a forward's size)
     rows = eng.generate(PROMPTS, 16, max_batch=4)
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 16), p
     assert any(m > 0 for m in asked) == drafts
     assert ({h.width for h in eng.history} == {1}) != drafts
+
+
+@pytest.mark.parametrize("spec_seconds, drafts", [(0.05, False), (0.0, True)])
+def test_cost_lengths_count_a_rounds_own_work_per_row(model, spec_seconds, drafts):
+    """length=cost weighs a round's own work outside its forwards (per row, measured apart for rounds that speculate
+    and rounds that do not): with the block's extra positions nearly free but a speculative round's work pinned at
+    50 one-position forwards a row, no row drafts once a speculative round has been measured; with that work equal
+    to a plain round's, rows draft. Lossless either way."""
+    eng = _engine(model, pool=["pld:L=4", "suffix:L=4"], policy="ucbspec", length="cost")
+    eng.block_steps = lambda B, W, context: 1.0 + 0.01 * (W - 1)
+    eng.cost.seconds_at = lambda n, context: 1e-3  # a one-position forward of the batch: 1 ms
+    ids = [eng.add(p, 16) for p in PROMPTS[:4]]
+    done = {}
+    while eng.rows:
+        done.update({r.rid: r for r in eng.step()})
+        eng.row_overhead = {False: 0.0, True: spec_seconds}  # what the rounds measured, pinned for the test
+    for rid, p in zip(ids, PROMPTS):
+        assert done[rid].tokens == plain_greedy(model, p, 16), p
+    assert eng.overhead_steps(4, 2, 1e-3) == pytest.approx(4 * spec_seconds / 1e-3) and eng.overhead_steps(4, 1, 1e-3) == 0
+    speculated = [h.width > 1 for h in eng.history]
+    assert any(speculated[1:]) == drafts  # the first round is chosen before anything is measured
 
 
 @pytest.mark.parametrize("steps, speculates", [(lambda W: float(W), False), (lambda W: 1.0 + 0.01 * (W - 1), True)])
@@ -225,6 +247,7 @@ def test_rounds_that_cannot_speculate_make_no_counterfactual_drafts(model, monke
     eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared, Verifier(GREEDY, "torch"),
                       length="cost")
     eng.block_steps = lambda B, W, context: steps(W)
+    eng.overhead_steps = lambda B, w, one: 0.0
     rows = eng.generate(PROMPTS, 16, max_batch=4)
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 16), p
