@@ -1,12 +1,13 @@
 """Grouped-query attention without repeated cache heads (decode/core/attention.py): the run model is a copy that
-shares every weight, the reference model is untouched, the masked forwards really pass grouped heads to SDPA,
-and logits and greedy decoding are the stock model's."""
+shares every weight, the reference model is untouched, the masked forwards really pass grouped heads (to the grouped
+matmuls for a few positions, to SDPA for more), and logits and greedy decoding are the stock model's."""
 import pytest
 import torch
 
 from decode.choose.arms import ArmEnv, build_arm
 from decode.choose.policies import build_policy
-from decode.core.attention import NAME, gqa_attention_model
+from decode.core import attention
+from decode.core.attention import GROUPED_MATMUL_MAX, NAME, gqa_attention_model, grouped_attention
 from decode.core.sampling import SamplingConfig
 from decode.core.target import Target
 from decode.core.verify import Verifier
@@ -22,16 +23,40 @@ def _threads(one_thread):
 
 
 def _sdpa_calls(monkeypatch):
-    """Record, for every SDPA call, whether it got a mask and whether its keys had fewer heads than its queries."""
+    """Record, for every SDPA call, whether it got a mask and whether its keys had fewer heads than its queries (a
+    grouped-matmul call: masked and grouped)."""
     calls = []
-    real = torch.nn.functional.scaled_dot_product_attention
+    real, matmuls = torch.nn.functional.scaled_dot_product_attention, attention.grouped_attention
 
     def spy(query, key, value, *args, **kwargs):
         calls.append((kwargs.get("attn_mask") is not None, key.shape[1] < query.shape[1]))
         return real(query, key, value, *args, **kwargs)
 
+    def spy_matmuls(query, key, value, mask, *args):
+        calls.append((True, key.shape[1] < query.shape[1]))
+        return matmuls(query, key, value, mask, *args)
+
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention, "grouped_attention", spy_matmuls)
     return calls
+
+
+@pytest.mark.parametrize("B, W, T", [(1, 2, 7), (3, 5, 40), (4, 8, 129), (2, 1, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_grouped_matmuls_compute_what_sdpa_computes(B, W, T, dtype):
+    g = torch.Generator().manual_seed(B * 100 + W)
+    q = torch.randn(B, 9, W, 16, generator=g, dtype=dtype)
+    k, v = (torch.randn(B, 3, T, 16, generator=g, dtype=dtype) for _ in range(2))
+    visible = torch.rand(B, 1, W, T, generator=g) < 0.7
+    visible[..., -1] = True  # every query sees one key at least (its own slot, in the engines)
+    additive = torch.zeros(B, 1, W, T, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive, enable_gqa=True)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
+    for mask in (additive, visible):
+        torch.testing.assert_close(grouped_attention(q, k, v, mask), want, **tol)
+    torch.testing.assert_close(grouped_attention(q, k, v, additive, 0.3),
+                               torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive,
+                                                                                scale=0.3, enable_gqa=True), **tol)
 
 
 def test_the_run_model_is_a_weight_sharing_copy_and_the_reference_is_untouched():
@@ -63,7 +88,7 @@ def test_masked_verification_forwards_pass_grouped_heads_and_match_the_stock_log
     for t in (ref, fast):
         t.prefill(ctx)
     calls = _sdpa_calls(monkeypatch)
-    for draft in ([], [7, 8], [1, 2, 3, 4]):
+    for draft in ([], [7, 8], [1, 2, 3, 4], list(range(1, GROUPED_MATMUL_MAX + 3))):  # the last: SDPA, grouped
         n = len(calls)
         a = ref.score(ctx[-1], torch.tensor(draft, dtype=torch.long)).logits
         ref_calls = calls[n:]
