@@ -53,13 +53,11 @@ class PromptLookupArm(Arm):
             # scan right-to-left for the latest occurrences that are not the suffix itself
             for start in range(n_ctx - n - 1, -1, -1):
                 if context[start] == first and context[start:start + n] == pattern:
-                    cont = context[start + n:start + n + L]
+                    cont = context[start + n:start + n + L]  # not empty: the occurrence ends before the suffix
                     if self.K == 1:  # the latest occurrence of the longest n-gram, whatever follows it
-                        if cont:
-                            self.last_match = n
-                            return Draft(_truncate(cont, keep_going))
-                        break
-                    if cont and cont[0] not in firsts:
+                        self.last_match = n
+                        return Draft(_truncate(cont, keep_going))
+                    if cont[0] not in firsts:
                         self.last_match = self.last_match or n
                         firsts.add(cont[0])
                         found.append(_truncate(cont, keep_going))
