@@ -25,7 +25,8 @@ TREES = ("chain", "dynamic")
 @register("eagle", check=lambda typed: check_head_folder(typed["path"], expect="eagle"))
 def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | None = None,
           K: Annotated[int, Range(1)] = 1, tree: str = "chain", nodes: Annotated[int, Range(1)] = 16,
-          topk: Annotated[int, Range(1)] = 4, expand: Annotated[int, Range(1)] | None = None, counterfactual: bool = False, dtype: str = "auto"):
+          topk: Annotated[int, Range(1)] = 4, expand: Annotated[int, Range(1)] | None = None,
+          counterfactual: bool = False, dtype: str = "auto"):
     """``eagle:path=HEAD,L=4`` a chain; ``K=k``: k i.i.d. sampled chains verified together (SpecTr k-Seq);
     ``tree=dynamic,nodes=N,topk=k``: EAGLE-2's dynamic tree (decode/choose/arms/eagle/tree.py); ``expand=e``: expand
     the e best nodes per depth instead of topk (``expand=1``: the chain plus each position's runner-up tokens).
