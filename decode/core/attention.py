@@ -65,8 +65,8 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     KV, T = key.shape[1], key.shape[2]
     G = H // KV
     if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(~mask,
-                                                                                            torch.finfo(query.dtype).min)
+        hidden = torch.finfo(query.dtype).min
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(~mask, hidden)
     scores = torch.matmul(query.reshape(B, KV, G * W, d), key.transpose(-1, -2))
     scores.mul_(d ** -0.5 if scale is None else scale)
     scores = scores.view(B, KV, G, W, T).add_(mask[:, :, None].to(scores.dtype)).view(B, KV, G * W, T)

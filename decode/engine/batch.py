@@ -36,8 +36,8 @@ with a module (an EAGLE head, a drafter, a union holding one), the cost adds tha
 one per draft position, at the seconds the rounds measured), and the module's rows are left out of the round when
 the others' cheap drafts alone expect more per unit of cost. The cost also counts the round's own work per row
 outside the forwards (policies, lookups, verification, commits, compaction), measured apart for rounds that did
-speculative work (drafts, or a full-information policy's counterfactual drafts) and rounds that did none. As B grows the block's cost rises with W, and
-speculation backs off by itself; it returns when the batch shrinks.
+speculative work (drafts, or a full-information policy's counterfactual drafts) and rounds that did none. As B grows
+the block's cost rises with W, and speculation backs off by itself; it returns when the batch shrinks.
 ``length="fixed"``: every row drafts its arm's L. The schedules production engines use, as baselines:
 ``length="schedule:1-2=4,3-4=2,5-=0"`` (vLLM's ``num_speculative_tokens_per_batch_size``, TensorRT-LLM's
 ``draft_len_schedule``: K from the batch size alone) and ``length="ema:1,2,4"`` (SGLang's ``--speculative-adaptive``
