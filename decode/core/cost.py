@@ -30,6 +30,9 @@ class CostCurve:
             raise ValueError(f"bucket and window must be >= 1, got {bucket}, {window}")
         self.bucket, self.window = int(bucket), int(window)
         self._times: dict[tuple[int, int], deque] = {}
+        # the context buckets and sizes measured (every deque holds one time at least): asked every round
+        self._buckets: set[int] = set()
+        self._sizes: set[int] = set()
         # bucket -> {n: median seconds}, until the bucket is measured again (controllers ask many n every round)
         self._median_memo: dict[int, dict[int, float]] = {}
 
@@ -44,6 +47,8 @@ class CostCurve:
         times = self._times.get(key)
         if times is None:
             times = self._times[key] = deque(maxlen=self.window)
+            self._sizes.add(key[0])
+            self._buckets.add(key[1])
         times.append(float(seconds))
         self._median_memo.pop(key[1], None)
 
@@ -72,7 +77,7 @@ class CostCurve:
         if n <= 1:
             return 1.0
         b = int(context) // self.bucket
-        buckets = sorted({bb for (_, bb) in self._times}, key=lambda bb: (abs(bb - b), bb))
+        buckets = sorted(self._buckets, key=lambda bb: (abs(bb - b), bb))
         for bb in buckets:  # this bucket, then the nearest ones
             r = self._ratios(bb)
             if n in r:
@@ -95,7 +100,7 @@ class CostCurve:
         each new context bucket (B, B - 1, … rows of one position), whose last slope is noise: continued to 2B it
         made a block of two positions look nearly free. None when nothing is measured."""
         n, b = int(n), int(context) // self.bucket
-        buckets = sorted({bb for (_, bb), t in self._times.items() if t}, key=lambda bb: (abs(bb - b), bb))
+        buckets = sorted(self._buckets, key=lambda bb: (abs(bb - b), bb))
         if not buckets:
             return None
         times = self._bucket_times(buckets[0])
@@ -116,7 +121,7 @@ class CostCurve:
     def table(self) -> dict[str, dict[str, float]]:
         """{bucket start: {n: c(n)}} of every measured size, for reports."""
         out: dict[str, dict[str, float]] = {}
-        for b in sorted({bb for (_, bb) in self._times}):
+        for b in sorted(self._buckets):
             r = self._ratios(b)
             if r:
                 out[str(b * self.bucket)] = {str(n): round(v, 3) for n, v in sorted(r.items())}
@@ -124,7 +129,7 @@ class CostCurve:
 
     def sizes(self) -> set[int]:
         """Every n measured, in any context bucket."""
-        return {n for (n, _), t in self._times.items() if t}
+        return set(self._sizes)
 
     def samples(self) -> int:
         return sum(len(t) for t in self._times.values())
