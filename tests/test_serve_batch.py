@@ -147,15 +147,17 @@ def test_a_request_may_name_its_own_arms_in_the_batch(server):
 
 def test_eagle_heads_batch_and_stay_lossless_and_seeded(tiny_target_dir, target, tmp_path):
     """A pool with an EAGLE head and a union of it with prompt lookup (the shipped pool's kinds) batches: the rows that
-    play the head (alone or in the union's tree) draft in one head forward per position; greedy rows equal HF generate, and a seeded sampled row (its EAGLE drafts sampled from its own
-    generator) draws the same tokens alone and among batch-mates — with fixed lengths: a joint length (``cost``)
-    depends on the batch, and another draft length consumes other random numbers (the same distribution)."""
+    play the head (alone or in the union's tree) draft in one head forward per position; greedy rows equal HF
+    generate, and a seeded sampled row (its EAGLE drafts sampled from its own generator) draws the same tokens alone
+    and among batch-mates — with fixed lengths: a joint length (``cost``) depends on the batch, and another draft
+    length consumes other random numbers (the same distribution)."""
     from decode.choose.heads import EagleHead, save_head
     from decode.commands.serve.worker import BatchWorker
 
     model, _ = target
-    save_head(EagleHead(model, init="last_layer"), tmp_path / "eagle")
-    arms = f"eagle:path={tmp_path / 'eagle'},L=2;pld:L=4;union:arms=eagle:path={tmp_path / 'eagle'}:L=2+pld:L=4,nodes=5"
+    head = tmp_path / "eagle"
+    save_head(EagleHead(model, init="last_layer"), head)
+    arms = f"eagle:path={head},L=2;pld:L=4;union:arms=eagle:path={head}:L=2+pld:L=4,nodes=5"
     with RunningServer(["--target", tiny_target_dir, "--arms", arms, "--policy", "random", "--max-batch", "4",
                         "--batch-length", "fixed", "--state-file", "none", "--threads", "1"]) as s:
         assert isinstance(s.worker, BatchWorker)

@@ -308,7 +308,8 @@ def test_pool_file_to_arm_specs(tmp_path, tiny_target_dir):
     assert load_pool(pool) == [f"drafter:path={exp},L=3,name=math", f"drafter:path={exp},L=5,name=math",
                                "pld:L=4", "suffix:L=6"]
     # a union's sub-arms' paths resolve like any arm's (relative to the repository root or the working directory)
-    pool.write_text(yaml.safe_dump({"arms": ["union:arms=eagle:path=pretrained/smollm2-135m-instruct/eagle:L=2+pld:L=4,nodes=6"]}))
+    union = "union:arms=eagle:path=pretrained/smollm2-135m-instruct/eagle:L=2+pld:L=4,nodes=6"
+    pool.write_text(yaml.safe_dump({"arms": [union]}))
     head = REPO / "pretrained/smollm2-135m-instruct/eagle"
     assert load_pool(pool) == [f"union:arms=eagle:path={head}:L=2+pld:L=4,nodes=6"]
     bad = [({"drafters": [{"name": "x", "path": str(tmp_path / "none")}]}, "'x'.*point path at the export/ folder"),
