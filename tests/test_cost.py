@@ -97,6 +97,24 @@ def test_absolute_times_beyond_a_buckets_sizes_borrow_another_buckets_growth():
     assert alone.seconds_at(32, 700) == pytest.approx(0.0580 + 16 * 0.0005 / 2)
 
 
+def test_absolute_times_below_a_buckets_sizes_borrow_another_buckets_ratio():
+    """A batch that reached a new context bucket with 14 rows, then played blocks of 2-3 positions there as rows
+    finished: a plain round of 10 rows is read from the ratio t(10) / t(14) another bucket measured, not as what 14
+    rows cost (which made every block look cheap beside it)."""
+    c = CostCurve()
+    for n, t in ((10, 0.040), (12, 0.044), (14, 0.048), (16, 0.052)):  # the rounds at a shorter context
+        c.observe(n, 300, t)
+    for n, t in ((14, 0.060), (20, 0.066), (30, 0.078)):  # the new bucket: 14 rows once, then 10 rows × 2 and × 3
+        c.observe(n, 600, t)
+    assert c.seconds_at(10, 600) == pytest.approx(0.060 * 0.040 / 0.048)
+    assert c.seconds_at(11, 600) == pytest.approx(0.060 * 0.042 / 0.048)  # between the lender's 10 and 12
+    assert c.seconds_at(10, 300) == pytest.approx(0.040)
+    alone = CostCurve()  # nothing to borrow from: the smallest size's time (a smaller forward costs no more)
+    for n, t in ((14, 0.060), (20, 0.066)):
+        alone.observe(n, 600, t)
+    assert alone.seconds_at(10, 600) == pytest.approx(0.060)
+
+
 def _brute_force(rates, costs, d):
     best = None
     for k in range(1, len(rates) + 1):

@@ -93,8 +93,12 @@ class CostCurve:
     def seconds_at(self, n: int, context: int) -> float | None:
         """Median seconds of an ``n``-position forward near ``context`` in absolute terms (what batched rounds use,
         where n = rows × block width and a one-position forward is never run): measured in the nearest bucket with
-        any measurement, interpolated linearly between the sizes measured there, the smallest size's time below them
-        (a smaller forward costs no more). Beyond the largest size ``m`` measured there, another bucket that measured
+        any measurement, interpolated linearly between the sizes measured there. Below the smallest size ``s``
+        measured there, another bucket that measured both ``s`` and sizes down to ``n`` (the nearest such) lends its
+        ratio t(n) / t(s); without one, the smallest size's time (a smaller forward costs no more). Reading t(s)
+        itself made a batch of 10 rows cost what 14 did in a bucket its rounds reached only with 14 rows or with
+        blocks two positions wide (which were then never measured against a plain round of 10: c_10(3) read 1.3
+        where forwards gave 1.5). Beyond the largest size ``m`` measured there, another bucket that measured
         both ``m`` and sizes up to ``n`` (the nearest such) lends its growth t(n) / t(m); only without one is the
         last slope continued (or n/m when one size is known). A batch's rounds measure a cluster of nearby sizes in
         each new context bucket (B, B - 1, … rows of one position), whose last slope is noise: continued to 2B it
@@ -108,6 +112,10 @@ class CostCurve:
             return times[n]
         smallest, largest = min(times), max(times)
         if n < smallest:
+            for bb in buckets[1:]:
+                other = self._bucket_times(bb)
+                if smallest in other and min(other) <= n and len(other) >= 2:
+                    return times[smallest] * _interpolate(other, n, floor=other[min(other)]) / other[smallest]
             return times[smallest]
         if n > largest:
             for bb in buckets[1:]:
