@@ -65,7 +65,9 @@ sampled chains) are refused with a clear error (:func:`check_batchable`).
 """
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -90,6 +92,7 @@ from .loop import TokenBudget
 # arms that draft from the row's own tokens (no model, no cache of their own): a deterministic function of the context
 # (``Arm.free_counterfactual``), so every row holds its own cheap instances and every one of them is scorable
 MODEL_FREE = {"pld", "suffix", "none"}
+OVERHEAD_WINDOW = 16  # rounds of each kind whose own work per row the cost's estimate is the median of
 LENGTHS = ("fixed", "cost", "schedule:<B range>=<K>,...", "ema:<tier>,...")
 
 
@@ -333,11 +336,16 @@ class BatchEngine:
         # rounds that drafted with one: what a module's chain costs beside the block (length=cost, :meth:`_steps`)
         self.module_seconds: float | None = None
         # seconds per row of a round outside its block's forward, the probe and the modules' drafting (policies,
-        # lookups, verification, commits, rows leaving, compaction), smoothed apart for rounds that did speculative
-        # work (True: some row drafted, or a full-information policy's rows drafted counterfactually) and rounds that
-        # did none (False): at large B a speculative round's own work per row is a fair share of a forward, and a length
-        # blind to it speculated at a loss (length=cost, :meth:`_steps`)
+        # lookups, verification, commits), the median of the last OVERHEAD_WINDOW rounds, apart for rounds that did
+        # speculative work (True: some row drafted, or a full-information policy's rows drafted counterfactually) and
+        # rounds that did none (False): at large B a speculative round's own work per row is a fair share of a
+        # forward, and a length blind to it speculated at a loss (length=cost, :meth:`_steps`). The cache's one-off
+        # work (its capacity doubling, rows leaving, compaction) is left out, and a median, not a mean: one such
+        # copy (~100 ms at 16 rows) once raised a plain round's figure sixfold, and with plain rounds then looking
+        # dear none was played to correct it
         self.row_overhead: dict[bool, float] = {}
+        self._overhead_samples: dict[bool, deque] = {}
+        self._housekeeping = 0.0  # seconds of the current round spent on the cache's one-off work
         # t(n): seconds of a forward scoring n positions in all (B rows × W), per context bucket; pass one curve to
         # several engines on the same target and machine (an evaluation's segments) and what one measured the next
         # reuses. c_B(W) = t(B·W) / t(B) (:meth:`block_steps`)
@@ -453,7 +461,7 @@ class BatchEngine:
         if not self.rows:
             return []
         t0 = time.perf_counter()
-        probe = module_time = 0.0
+        probe = module_time = self._housekeeping = 0.0
         context = max(len(r.ctx) for r in self.rows)
         plain = self.length == "cost" and self._nothing_pays(context)
         seen: dict[int, tuple] = {}  # row id -> its counterfactual drafts, their times and the features shown
@@ -470,9 +478,9 @@ class BatchEngine:
             K = self.tiers[-1] if ema is None else next((t for t in self.tiers if t > ema), self.tiers[-1])
             caps = [min(c, K) for c in caps]
         if self.length == "cost" and max(caps):
-            tp = time.perf_counter()
+            tp, housekeeping = time.perf_counter(), self._housekeeping
             self._seed_cost(max(caps) + 1, context)
-            probe = time.perf_counter() - tp
+            probe, self._housekeeping = time.perf_counter() - tp, housekeeping  # the probe's is in its own time
             alphas = [self.acceptance.alpha(r, i) for r, i in zip(self.rows, picks)]
             caps, steps, K = self._module_rows_draft(alphas, caps, picks, context)
             # if no K pays even when every row drafts its cap, none can once they have drafted (a draft is at most
@@ -579,9 +587,10 @@ class BatchEngine:
             r.finished = t2
         self.cache.tidy(self.compact_slack)  # padding and rejected drafts piled up: attend over what is valid only
         spec = bool(seen) or any(len(d) for d in drafts)  # speculative work was done: drafts, or counterfactual ones
-        per_row = max(0.0, time.perf_counter() - t0 - probe - seconds - module_time) / B
-        old = self.row_overhead.get(spec)
-        self.row_overhead[spec] = per_row if old is None else 0.8 * old + 0.2 * per_row
+        per_row = max(0.0, t2 - t0 - probe - seconds - module_time - self._housekeeping) / B
+        samples = self._overhead_samples.setdefault(spec, deque(maxlen=OVERHEAD_WINDOW))
+        samples.append(per_row)
+        self.row_overhead[spec] = statistics.median(samples)
         return finished
 
     def _nothing_pays(self, context: int) -> bool:
@@ -686,7 +695,10 @@ class BatchEngine:
         its seconds (the device synchronised) and, with ``hidden``, its HF ``hidden_states`` (what the EAGLE
         drafters read). ``within``: the block's own visibility when some row's block is a tree (RowCache.attention).
         The caller commits the block's slots it keeps."""
-        mask = self.cache.block(block_valid, self.dtype, self.device, within)
+        mask = self.cache.attention(block_valid, self.dtype, self.device, within)
+        t = time.perf_counter()
+        self.cache.reserve(block_valid.shape[1], self.dtype, self.device)  # one-off when it grows: not the round's own
+        self._housekeeping += time.perf_counter() - t
         t = time.perf_counter()
         with torch.inference_mode():
             out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
