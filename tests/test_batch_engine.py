@@ -232,6 +232,19 @@ def test_cost_lengths_count_a_rounds_own_work_per_row(model, spec_seconds, draft
     assert any(speculated[1:]) == drafts  # the first round is chosen before anything is measured
 
 
+def test_block_cost_is_a_ratio_read_where_both_widths_were_measured(model):
+    """c_B(W) of the engine: t(B·W) / t(B) from a bucket that measured around both (CostCurve.growth); where none
+    did, the absolute times' ratio; W itself before anything is measured."""
+    eng = _engine(model, pool=["none"], policy="fixed:arm=0", length="cost")
+    assert eng.block_steps(4, 3, 100) == 3.0
+    for n, t in ((4, 0.010), (8, 0.012), (16, 0.020)):
+        eng.cost.observe(n, 100, t)
+    eng.cost.observe(8, 900, 0.030)  # a long context where only blocks of 4 rows × 2 ran
+    assert eng.block_steps(4, 2, 900) == pytest.approx(1.2)  # the short context's ratio, not 0.030 / 0.030
+    assert eng.block_steps(4, 1, 900) == 1.0
+    assert eng.block_steps(4, 8, 900) == pytest.approx(eng.cost.seconds_at(32, 900) / eng.cost.seconds_at(4, 900))
+
+
 def test_a_rounds_own_work_leaves_out_the_caches_one_off_copies(model, monkeypatch):
     """The cache's one-off work (its capacity growing, rows leaving, compaction) is not a round's own work per row:
     a 60 ms copy in one round once raised a plain round's figure sixfold, and plain rounds then looked dear. Rows

@@ -115,6 +115,22 @@ def test_absolute_times_below_a_buckets_sizes_borrow_another_buckets_ratio():
     assert alone.seconds_at(10, 600) == pytest.approx(0.060)
 
 
+def test_growth_is_read_inside_the_nearest_bucket_that_spans_both_sizes():
+    """t(m) / t(n) for a batch's block against its plain round: from one bucket whose sizes span both, not from
+    absolute times of two buckets. A batch that reached a long context with blocks of 10 rows × 2 and × 3 only
+    reads c_10(2) from the shorter context's plain rounds and probe, not t(20) / t(20)."""
+    c = CostCurve()
+    for n, t in ((10, 0.040), (12, 0.044), (16, 0.050), (32, 0.070)):  # plain rounds and the probe, short context
+        c.observe(n, 300, t)
+    for n, t in ((20, 0.060), (30, 0.075)):  # the long context: blocks only
+        c.observe(n, 800, t)
+    assert c.growth(10, 20, 800) == pytest.approx((0.050 + 4 * 0.020 / 16) / 0.040)  # 20 between 16 and 32
+    assert c.growth(20, 30, 800) == pytest.approx(0.075 / 0.060)  # both measured at the long context: its own
+    assert c.growth(10, 20, 300) == c.growth(10, 20, 800)
+    assert c.growth(10, 64, 800) is None  # no bucket spans 64
+    assert CostCurve().growth(1, 2, 0) is None
+
+
 def _brute_force(rates, costs, d):
     best = None
     for k in range(1, len(rates) + 1):

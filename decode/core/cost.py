@@ -126,6 +126,22 @@ class CostCurve:
             return times[smallest] * n / smallest
         return _interpolate(times, n, floor=times[smallest])
 
+    def growth(self, n: int, m: int, context: int) -> float | None:
+        """t(m) / t(n) read inside one context bucket, the nearest to ``context`` whose measured sizes span both
+        (linear between them there, never beyond): what a batch's block of m positions costs against its plain
+        round of n. None when no bucket spans both. A ratio from one bucket, not two absolute times each read from
+        the nearest bucket that has anything: a batch reaching a new context bucket measures only what it plays
+        there (blocks of 10 rows × 2 positions, say), and t(10) read from that bucket's t(20) made a block of two
+        positions look free."""
+        n, m, b = int(n), int(m), int(context) // self.bucket
+        for bb in sorted(self._buckets, key=lambda x: (abs(x - b), x)):
+            times = self._bucket_times(bb)
+            lo, hi = min(times), max(times)
+            if lo <= min(n, m) and max(n, m) <= hi:
+                at = {k: times[k] if k in times else _interpolate(times, k, floor=0.0) for k in (n, m)}
+                return at[m] / at[n] if at[n] > 0 else None
+        return None
+
     def table(self) -> dict[str, dict[str, float]]:
         """{bucket start: {n: c(n)}} of every measured size, for reports."""
         out: dict[str, dict[str, float]] = {}

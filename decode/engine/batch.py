@@ -655,8 +655,15 @@ class BatchEngine:
         return B * overhead / one if overhead is not None and one else 0.0
 
     def block_steps(self, B: int, W: int, context: int) -> float:
-        """c_B(W): a forward of a block W wide over B rows, in forwards of one position per row: t(B·W) / t(B)
-        (W itself while nothing is measured: every position a full forward)."""
+        """c_B(W): a forward of a block W wide over B rows, in forwards of one position per row: t(B·W) / t(B), from
+        the nearest context bucket that measured sizes around both (:meth:`CostCurve.growth`), else from absolute
+        times each read where they were measured (W itself while nothing is measured: every position a full
+        forward)."""
+        if W == 1:
+            return 1.0
+        ratio = self.cost.growth(B, B * W, context)
+        if ratio is not None:
+            return ratio
         one = self.cost.seconds_at(B, context)
         return self.cost.seconds_at(B * W, context) / one if one else float(W)
 
