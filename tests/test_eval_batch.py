@@ -131,3 +131,24 @@ def test_repeated_passes_over_the_suite(tiny_target_dir, tmp_path):
     with pytest.raises(UserError, match="--batch-repeat must be an integer >= 1"):
         from decode.evaluation.eval_config import EvalConfig
         EvalConfig(batch_repeat=0).check_ranges()
+
+
+def test_each_method_keeps_one_engine_and_a_carried_policy_serves_every_row(tiny_target_dir, tmp_path, monkeypatch):
+    """As a server: each method's engine (what it learnt: block costs, acceptance, a round's own work) lives across
+    its segments, and a carry=true policy is one object for all its rows; without carry=true every row gets its
+    own."""
+    import decode.evaluation.batched as batched
+    built, engines = [], []
+    real_policy, real_engine = batched.build_policy, batched.BatchEngine
+    monkeypatch.setattr(batched, "build_policy", lambda spec, *a, **k: built.append(spec) or real_policy(spec, *a, **k))
+    monkeypatch.setattr(batched, "BatchEngine", lambda *a, **k: engines.append(1) or real_engine(*a, **k))
+    out = tmp_path / "report.json"
+    assert main(["eval", "--target", tiny_target_dir, "--batch", "2", "--batch-repeat", "2", "--limit", "1",
+                 "--max-new-tokens", "6", "--categories", "chat,code", "--policies", "ucbspec:carry=true;ucbspec",
+                 "--out", str(out), "--no-progress", "--no-plots"]) == 0
+    report = json.loads(out.read_text())
+    assert all(c["lossless_rows"] == 4 for c in report["results"]["2"].values())
+    assert built.count("ucbspec:carry=true") == 1 + 1  # the check before the model loads, then one for every row
+    assert built.count("ucbspec") == 1 + 4  # checked, then its own for each of the 2 passes × 2 rows
+    methods = len(report["results"]["2"]) - 1  # every method but hf runs our engine
+    assert len(engines) == methods + 1  # one each, plus the warm-up's

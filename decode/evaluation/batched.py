@@ -15,9 +15,12 @@ early-exit layers):
   SGLang's ``--speculative-adaptive`` in spirit);
 * ``batch:<policy>+cost``: the adaptive method, one per ``--policies`` spec: every row's own policy over
   ``--arms`` (no ``none`` needed: the joint length may be 0, and a row in a block W wide drafts for free up to W),
-  the draft length chosen jointly for the batch from
-  the learnt cost of its block (learnt across the run, as a server would: the first segment pays the probe), the
-  acceptance statistics shared across rows.
+  or with ``carry=true`` one policy every row shares (as ``decode serve`` runs it), the draft length chosen jointly
+  for the batch from the learnt cost of its block, the acceptance statistics shared across rows.
+
+Each method keeps one engine for the whole run, as a server keeps one: what it learnt (the cost of its blocks, the
+first segment paying the probe; the arms' acceptance; a round's own work; a carry=true policy) carries from one
+segment and batch size to the next. A resumed run starts that learning afresh at the segments it still decodes.
 
 Our methods batch continuously: B rows in flight, a finished row's place taken by the next prompt before the next
 round. Every request arrives at the start of its segment, so a row's latency includes its wait for a place (and
@@ -43,7 +46,6 @@ from ..common.errors import UserError
 from ..common.device import DTYPES
 from ..common.io import JsonlLog, atomic_path, atomic_write_json, atomic_write_text
 from ..common.specs import parse_spec
-from ..core.cost import CostCurve
 from ..core.models import eos_token_ids, load_model, pad_token_id
 from ..core.sampling import SamplingConfig
 from ..core.verify import Verifier
@@ -137,14 +139,30 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
 
     longest = {m.name: max(build_arm(s, env).L for s in m.arms) for m in methods if m.arms}
 
-    costs = {m.name: CostCurve() for m in methods}  # each method's forward-cost curve, learnt across its segments
+    engines: dict[str, BatchEngine] = {}  # each method's engine, kept across its segments (module docstring)
 
-    def engine(m: BatchMethod, seed: int) -> BatchEngine:
+    def engine(m: BatchMethod, seed: int, keep: bool = True) -> BatchEngine:
+        """The method's engine (made on first use; ``keep`` False: a throwaway one) with this segment's verifier."""
+        verifier = Verifier(sampling, cfg.verifier, torch.Generator().manual_seed(seed))
+        if keep and m.name in engines:
+            eng = engines[m.name]
+            eng.verifier = verifier
+            return eng
         seeds = iter(range(seed, seed + 1_000_000))
-        return BatchEngine(run, lambda: [build_arm(s, env) for s in m.arms],
-                           lambda K: build_policy(m.policy, K, longest[m.name], seed=next(seeds)),
-                           Verifier(sampling, cfg.verifier, torch.Generator().manual_seed(seed)), eos,
-                           pad_id=pad, length=m.length, cost=costs[m.name], stock_model=model)
+        carried = []  # a carry=true policy: one object for every row of the engine, as a server's
+
+        def make_policy(K: int):
+            if carried:
+                return carried[0]
+            policy = build_policy(m.policy, K, longest[m.name], seed=next(seeds))
+            if policy.carry:
+                carried.append(policy)
+            return policy
+        eng = BatchEngine(run, lambda: [build_arm(s, env) for s in m.arms], make_policy, verifier, eos,
+                          pad_id=pad, length=m.length, stock_model=model)
+        if keep:
+            engines[m.name] = eng
+        return eng
 
     todo = [(B, si, m.name) for B in cfg.batch for si in range(len(_segments(len(prompts), B, cfg.batch_repeat))) for m in methods
             if (B, si, m.name) not in done]
@@ -164,7 +182,7 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
         if todo:
             warm = min(4, cfg.max_new_tokens)  # one-off costs before the first timed run
             hf_generate_batch(model, encoded[:2], warm, sampling, eos, pad)
-            engine(methods[1], 0).generate(encoded[:2], warm)
+            engine(methods[1], 0, keep=False).generate(encoded[:2], warm)
         bar = tqdm(total=len(todo), desc="eval --batch", unit="run", disable=cfg.no_progress)
         for B in cfg.batch:
             per_pass = len(_segments(len(prompts), B))
