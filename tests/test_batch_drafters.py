@@ -121,6 +121,19 @@ def test_batched_drafts_are_the_serial_chains_and_rows_stay_lossless(model, monk
             torch.testing.assert_close(draft.hidden, serial.hidden.to(draft.hidden.dtype))
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "drafter"])
+def test_one_engine_decodes_batch_after_batch(model, kind):
+    """An engine kept across batches (a server's; an evaluation's method across its segments): after every row of
+    one batch has left, the next batch's rows draft and stay lossless on the same drafters."""
+    eng = _engine(model, _module(model, kind))
+    for prompts in (PROMPTS, PROMPTS[::-1][:3]):
+        rows = eng.generate(prompts, 12, max_batch=2)
+        for p, r in zip(prompts, rows):
+            assert r.tokens == plain_greedy(model, p, 12), p
+        assert not next(iter(eng.drafters.values())).rows and not eng.rows
+    assert any(len(h.rows) and max(h.drafted) for h in eng.history[-5:])  # the second batch drafted too
+
+
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3", "drafter"])
 @pytest.mark.parametrize("length", ["fixed", "cost"])
 def test_union_rows_draft_the_serial_unions_trees_and_stay_lossless(model, monkeypatch, kind, length):

@@ -98,6 +98,42 @@ def test_row_cache_mask_sees_own_valid_slots_and_causal_block():
     assert seen[1].tolist() == [[False, True, True, True, False], [False, True, True, True, True]]  # pad: finite
 
 
+def test_rows_join_into_the_caches_room_and_keep_their_slots(model):
+    """A row joining writes its own slots into the allocation's spare rows (room doubles when there is none), a row
+    leaving moves the kept rows within it, and a later join reuses that room without a new allocation: every row's
+    slots stay its own, and a joining row's unfilled slots hold nothing of a row that left."""
+    from transformers import DynamicCache
+
+    def prefill(ids):
+        cache = DynamicCache()
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        return cache
+
+    def keys(c, row, n):
+        return c.hf.layers[0].keys[row, :, :n].clone()
+
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12], [13, 14]]
+    own = [prefill(p).layers[0].keys[0] for p in prompts]
+    c = RowCache(model.config)
+    for p in prompts[:3]:
+        c.add(prefill(p), len(p))
+    assert c.rows == 3 and c.row_room == 4  # 1, 2, then doubled to 4
+    base = c._base[0][0].data_ptr()
+    c.select([2, 0])  # the second row leaves; the third moves up
+    assert c.lengths() == [4, 5] and c._base[0][0].data_ptr() == base
+    c.add(prefill(prompts[3]), 2)
+    assert c.rows == 3 and c._base[0][0].data_ptr() == base  # into the room: no new allocation
+    for row, (i, n) in enumerate([(2, 4), (0, 5), (3, 2)]):
+        torch.testing.assert_close(keys(c, row, n), own[i])
+    assert not c.hf.layers[0].keys[2, :, 2:5].any()  # cleared, not the slots of the row that sat there before
+    c.add(prefill(prompts[1]), 3)
+    c.add(None, 0)
+    assert c.rows == 5 and c.row_room == 8 and c._base[0][0].data_ptr() != base
+    torch.testing.assert_close(keys(c, 3, 3), own[1])
+    assert c.lengths() == [4, 5, 2, 3, 0] and c.hf.layers[0].keys.shape[0] == 5
+
+
 def test_neural_arms_are_refused_clearly(model):
     env = ArmEnv(model, TinyTokenizer(64), GREEDY)
     with pytest.raises(UserError, match="model-free arms"):

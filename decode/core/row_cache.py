@@ -22,12 +22,17 @@ class RowCache:
     The slots live in a pre-allocated HF cache of :class:`~decode.core.target.PrefixLayer` layers (``[B, heads,
     capacity, dim]``): a forward writes its W block slots in place after the ``slots`` filled ones and attends over
     the filled prefix, so a round copies nothing of the cache (an HF ``DynamicCache`` concatenates every layer's
-    whole cache every forward: at 8 rows × 300 tokens that was ~10% of a round here). Capacity grows by doubling
-    (:meth:`reserve`); rows joining and leaving, and compaction, copy the cache once each."""
+    whole cache every forward: at 8 rows × 300 tokens that was ~10% of a round here). The layers view the first B
+    rows of an allocation with room for more rows and more slots, both grown by doubling (:meth:`reserve`, a row
+    joining past the rows' room): a row joining writes its own slots only, a row leaving moves the kept rows'
+    filled slots within it, and compaction gathers in place. (A join used to copy every row's cache into a new
+    allocation one row taller: 28 ms of each ~200 ms join at 16 rows.)"""
 
     def __init__(self, config=None):
         self.config = config  # the model's (allocation before any row has a slot of its own)
         self.hf = None  # an HF StaticCache of PrefixLayers, [B, heads, capacity, dim] per layer; None = no slot yet
+        # per layer, the allocation its keys/values view the first B rows of: [row room, heads, capacity, dim]
+        self._base: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, T], on the CPU (masks are built there)
 
     @property
@@ -40,24 +45,33 @@ class RowCache:
 
     @property
     def capacity(self) -> int:
-        return _layers(self.hf)[0].keys.shape[2] if self.hf is not None else 0
+        return self._base[0][0].shape[2] if self.hf is not None else 0
+
+    @property
+    def row_room(self) -> int:
+        """How many rows the allocation holds (≥ rows)."""
+        return self._base[0][0].shape[0] if self.hf is not None else 0
 
     def lengths(self) -> list[int]:
         return self.valid.sum(1).tolist()
 
-    def _set(self, tensors: list[tuple[torch.Tensor, torch.Tensor]], filled: int) -> None:
-        """Install per-layer ``[B, heads, capacity, dim]`` keys/values with ``filled`` slots in use."""
-        for layer, (k, v) in zip(_layers(self.hf), tensors):
-            layer.keys, layer.values = k, v
+    def _set(self, base: list[tuple[torch.Tensor, torch.Tensor]], filled: int) -> None:
+        """Install per-layer ``[row room, heads, capacity, dim]`` allocations, the layers viewing the first ``rows``
+        rows with ``filled`` slots in use."""
+        self._base = base
+        for layer, (k, v) in zip(_layers(self.hf), base):
+            layer.keys, layer.values = k[:self.rows], v[:self.rows]
             layer.max_cache_len, layer.filled = k.shape[2], filled
 
     def _allocate(self, rows: int, capacity: int, dtype: torch.dtype, device) -> None:
         if self.config is None:
             raise ValueError("RowCache(config=...) is needed to hold slots (the model's config sizes the layers)")
         self.hf = allocate_cache(self.config, "prefix", capacity, dtype, device, batch=rows)
+        self._set([(layer.keys, layer.values) for layer in _layers(self.hf)], 0)
 
     def _regrown(self, rows: int, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, zeroed ``[rows, heads, capacity, dim]`` keys/values holding the current rows' filled slots first."""
+        """Per layer, a zeroed ``[rows, heads, capacity, dim]`` allocation holding the current rows' filled slots
+        first."""
         out = []
         for layer in _layers(self.hf):
             T = layer.filled
@@ -74,25 +88,30 @@ class RowCache:
         if self.hf is None:
             self._allocate(self.rows, round_up(need, SLOTS), dtype, device)
         elif need > self.capacity:
-            self._set(self._regrown(self.rows, max(2 * self.capacity, round_up(need, SLOTS))), self.slots)
+            self._set(self._regrown(self.row_room, max(2 * self.capacity, round_up(need, SLOTS))), self.slots)
 
     def add(self, cache: DynamicCache | None, n: int) -> None:
         """Append one row whose (one-row, dynamic) cache holds ``n`` slots, all valid; ``cache`` None for ``n == 0``."""
         T = max(self.slots, n)
         self.valid = torch.cat([_pad(self.valid, T), _pad(torch.ones(1, n, dtype=torch.bool), T)])
-        if cache is None:
-            if self.hf is not None:  # an empty row: zero slots of its own, all padding
-                self._set(self._regrown(self.rows, self.capacity), T)
-            return  # else no slot in any row yet: allocated by the first forward
-        new = _layers(cache)
-        if self.hf is None:  # the first slots: the new row's, with the (empty) rows before it
+        if self.hf is None:
+            if cache is None:
+                return  # no slot in any row yet: allocated by the first forward
+            new = _layers(cache)  # the first slots: the new row's, with the (empty) rows before it
             self._allocate(self.rows, round_up(T, SLOTS), new[0].keys.dtype, new[0].keys.device)
-            tensors = [(layer.keys, layer.values) for layer in _layers(self.hf)]
-        else:
-            tensors = self._regrown(self.rows, max(self.capacity, round_up(T, SLOTS)))
-        for (k, v), layer in zip(tensors, new):
-            k[-1, :, :n], v[-1, :, :n] = layer.keys[0], layer.values[0]
-        self._set(tensors, T)
+        elif self.rows > self.row_room or T > self.capacity:  # no room: a new allocation (rows and slots doubled)
+            rows = self.rows if self.rows <= self.row_room else max(self.rows, 2 * self.row_room)
+            slots = self.capacity if T <= self.capacity else max(2 * self.capacity, round_up(T, SLOTS))
+            self._set(self._regrown(rows, slots), T)
+        r = self.rows - 1  # the new row's slots, in room no row uses (cleared: an earlier row's may be there)
+        with torch.inference_mode():  # the slots were written by inference-mode forwards
+            for i, (k, v) in enumerate(self._base):
+                k[r, :, :T] = 0
+                v[r, :, :T] = 0
+                if cache is not None:
+                    layer = _layers(cache)[i]
+                    k[r, :, :n], v[r, :, :n] = layer.keys[0], layer.values[0]
+        self._set(self._base, T)
 
     def select(self, keep: list[int]) -> None:
         """Keep the rows ``keep`` (in that order). In place: the kept rows' filled slots move to the front rows of the
@@ -101,7 +120,7 @@ class RowCache:
         idx = torch.tensor(keep, dtype=torch.long)
         self.valid = self.valid[idx]
         if not keep:
-            self.hf, self.valid = None, torch.zeros(0, 0, dtype=torch.bool)
+            self.hf, self._base, self.valid = None, [], torch.zeros(0, 0, dtype=torch.bool)
             return
         if self.hf is not None:
             n, T = len(keep), self.slots
@@ -113,7 +132,7 @@ class RowCache:
                     if moved:  # the right side is gathered into a new tensor first, so rows may overlap
                         layer.keys[:n, :, :T] = layer.keys[idx, :, :T]
                         layer.values[:n, :, :T] = layer.values[idx, :, :T]
-                    layer.keys, layer.values = layer.keys[:n], layer.values[:n]
+            self._set(self._base, T)
 
     def attention(self, block_valid: torch.Tensor, dtype: torch.dtype, device,
                   within: torch.Tensor | None = None) -> torch.Tensor:
