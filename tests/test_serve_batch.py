@@ -201,11 +201,13 @@ def test_what_cannot_batch_is_refused_or_served_one_at_a_time(tiny_target_dir):
 
 
 def test_auto_measures_the_batch_size_and_the_router_batches(tiny_target_dir, target):
-    """The default policy (the router, learning from every arm's counterfactual reward) under --max-batch auto."""
+    """The default policy (the router, learning from every arm's counterfactual reward) under --max-batch auto.
+    Fixed lengths: under cost lengths whether a round speculates (and so makes counterfactual drafts) is the tiny
+    model's timing, which the assertion on counterfactual rewards must not depend on."""
     from decode.commands.serve.worker import BatchWorker
 
     with RunningServer(["--target", tiny_target_dir, "--arms", SERVE_ARMS, "--state-file", "none",
-                        "--threads", "1"]) as s:
+                        "--threads", "1", "--batch-length", "fixed"]) as s:
         note = re.search(r"--max-batch auto: (\d+) \(one-token forward: 1 rows [0-9]+ ms", s.log.getvalue())
         assert note, s.log.getvalue()
         size = int(note.group(1))

@@ -106,3 +106,20 @@ def test_verifier_raises_invalid_inputs():
         Verifier(SamplingConfig(1.0), "torch").verify(logits, Draft(torch.tensor([1, 2])))
     with pytest.raises(UserError, match="outside"):
         Verifier(SamplingConfig(0.0), "torch").verify(torch.randn(3, 8), Draft(torch.tensor([1, 9])))
+
+
+def test_greedy_next_is_what_verify_returns_for_an_empty_draft():
+    """A batched round's rows that drafted nothing take their greedy tokens in one argmax: the tokens verify gives
+    row by row, ties included (the first maximum), and the same error for NaN or +inf logits."""
+    from decode.core.verify import greedy_next
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    logits[2, [7, 31]] = logits[2].max() + 1.0  # a tie: the first index wins, as argmax in verify
+    v = Verifier(SamplingConfig(), "torch")
+    assert greedy_next(logits) == [v.verify(row[None], Draft.empty()).tokens[0] for row in logits]
+    assert greedy_next(logits)[2] == 7
+    logits[4, 3] = float("nan")
+    with pytest.raises(UserError, match="NaN or \\+inf"):
+        greedy_next(logits)
+    with pytest.raises(UserError, match="NaN or \\+inf"):
+        v.verify(logits[4][None], Draft.empty())

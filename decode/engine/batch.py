@@ -81,12 +81,12 @@ from ..choose.policies.base import Policy
 from ..common.device import synchronize
 from ..common.errors import UserError
 from ..core.cost import CostCurve
-from ..core.draft import Draft, RoundRecord
+from ..core.draft import Draft, Outcome, RoundRecord
 from ..core.tree import ancestor_matrix, draft_depth
 from ..core.linear import PackedLinear, pack_arm_linears
 from ..core.row_cache import RowCache
 from ..core.target import crop_cache
-from ..core.verify import Verifier
+from ..core.verify import Verifier, greedy_next
 from .loop import TokenBudget
 
 # arms that draft from the row's own tokens (no model, no cache of their own): a deterministic function of the context
@@ -534,9 +534,12 @@ class BatchEngine:
         step = self._one_step_seconds(B, context, seconds / W)
         # each EAGLE head's rows of the target's hidden states, read out once for the batch
         feats = {id(d): d.features(hidden) for d in self.drafters.values() if d.needs_hidden and hidden is not None}
+        # rows that drafted nothing under greedy decoding: their next tokens in one argmax (what verify returns)
+        bare = [b for b, (r, d) in enumerate(zip(self.rows, drafts)) if not len(d) and r.verifier.cfg.greedy]
+        nxt = dict(zip(bare, greedy_next(logits[bare, 0]))) if bare else {}
         for b, (r, d, i) in enumerate(zip(self.rows, drafts, picks)):
             remaining = r.remaining
-            outcome = r.verifier.verify(logits[b, :lens[b]].float(), d)
+            outcome = Outcome(0, [nxt[b]], [], []) if b in nxt else r.verifier.verify(logits[b, :lens[b]].float(), d)
             # the block slots that produced the row's tokens: the last token's, then the accepted drafts' (a
             # tree's accepted root path)
             kept = (list(range(outcome.accepted + 1)) if outcome.path is None

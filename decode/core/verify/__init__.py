@@ -8,7 +8,7 @@ import torch
 from ..draft import Draft, Outcome
 from ...common.errors import UserError
 from ..sampling import SamplingConfig
-from .reference import VerifyResult, raise_for_status, verify_reference
+from .reference import VerifyResult, input_status, raise_for_status, verify_reference
 from .tree import verify_tree
 
 BACKENDS = ("auto", "torch", "triton")
@@ -104,4 +104,15 @@ class Verifier:
         return Outcome(a, ids + [nxt], flat[3:3 + L], flat[3 + L:3 + 2 * L])
 
 
-__all__ = ["Verifier", "VerifyResult", "verify_reference", "verify_tree", "BACKENDS"]
+def greedy_next(logits: torch.Tensor) -> list[int]:
+    """The target's greedy token after each row's context (``logits`` [B, V], each row's first scored position):
+    what :meth:`Verifier.verify` returns for an empty draft under greedy decoding (no draft position, so no
+    ``tv`` or ``accept_prob``), for a whole batch in one argmax and one host read, with the same input check
+    (NaN or +inf logits raise). A batched round's rows that drafted nothing take it instead of a verification
+    each (a softmax over the vocabulary and a host read per row: ~0.2 ms a row, 3 ms a round at 16 rows)."""
+    status = input_status(logits[:, None], logits.new_zeros(logits.shape[0], 0, dtype=torch.long), None)
+    raise_for_status(status, logits.shape[-1])
+    return logits.argmax(-1).tolist()
+
+
+__all__ = ["Verifier", "greedy_next", "VerifyResult", "verify_reference", "verify_tree", "BACKENDS"]
