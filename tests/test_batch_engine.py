@@ -11,7 +11,7 @@ from decode.choose.policies import build_policy
 from decode.common.errors import UserError
 from decode.core.sampling import SamplingConfig
 from decode.core.verify import Verifier
-from decode.engine.batch import BatchEngine, RowCache
+from decode.engine.batch import BatchEngine, RowCache, fill_holes
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 GREEDY = SamplingConfig()
@@ -132,6 +132,11 @@ def test_rows_join_into_the_caches_room_and_keep_their_slots(model):
     assert c.rows == 5 and c.row_room == 8 and c._base[0][0].data_ptr() != base
     torch.testing.assert_close(keys(c, 3, 3), own[1])
     assert c.lengths() == [4, 5, 2, 3, 0] and c.hf.layers[0].keys.shape[0] == 5
+    assert fill_holes(5, {1, 4}) == [0, 3, 2] and fill_holes(5, {0, 1}) == [3, 4, 2] and fill_holes(3, set()) == [0, 1, 2]
+    c.select(fill_holes(5, {1, 4}))  # the row after the kept count moves alone into the free place
+    assert c.lengths() == [4, 3, 2]
+    for row, (i, n) in enumerate([(2, 4), (1, 3), (3, 2)]):
+        torch.testing.assert_close(keys(c, row, n), own[i])
 
 
 def test_neural_arms_are_refused_clearly(model):

@@ -116,7 +116,8 @@ class RowCache:
     def select(self, keep: list[int]) -> None:
         """Keep the rows ``keep`` (in that order). In place: the kept rows' filled slots move to the front rows of the
         same allocation, which the layers then view (a row leaving copies the filled slots only, once, not the
-        whole capacity into a new allocation: rows finish every few rounds when they speculate)."""
+        whole capacity into a new allocation: rows finish every few rounds when they speculate). Rows moving from
+        past the kept count into free places (the engine's order, ``fill_holes``) are copied alone."""
         idx = torch.tensor(keep, dtype=torch.long)
         self.valid = self.valid[idx]
         if not keep:
@@ -124,12 +125,16 @@ class RowCache:
             return
         if self.hf is not None:
             n, T = len(keep), self.slots
-            moved = keep != list(range(n))  # else the kept rows are already the first n
+            moves = [(dst, src) for dst, src in enumerate(keep) if dst != src]
             dev = _layers(self.hf)[0].keys.device
             idx = idx.to(dev)
             with torch.inference_mode():  # the slots were written by inference-mode forwards
                 for layer in _layers(self.hf):
-                    if moved:  # the right side is gathered into a new tensor first, so rows may overlap
+                    if moves and all(src >= n for _, src in moves):  # rows from past the kept count into places
+                        for dst, src in moves:  # left free: no kept row is overwritten, so row by row
+                            layer.keys[dst, :, :T] = layer.keys[src, :, :T]
+                            layer.values[dst, :, :T] = layer.values[src, :, :T]
+                    elif moves:  # the right side is gathered into a new tensor first, so rows may overlap
                         layer.keys[:n, :, :T] = layer.keys[idx, :, :T]
                         layer.values[:n, :, :T] = layer.values[idx, :, :T]
             self._set(self._base, T)

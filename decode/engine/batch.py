@@ -279,6 +279,18 @@ class Acceptance:
         return (rs + self.prior * mean) / (rs + rf + self.prior)
 
 
+def fill_holes(n: int, leaving: set[int]) -> list[int]:
+    """Which of ``n`` rows to keep when the rows ``leaving`` go, in their new order: a kept row in the first
+    ``n - len(leaving)`` places stays there and the last rows move into the places left free, so the caches move
+    those rows only (``RowCache.select``); keeping the order instead moved every row after the first to leave."""
+    m = n - len(leaving)
+    order = list(range(m))
+    movers = (i for i in range(m, n) if i not in leaving)
+    for hole in sorted(i for i in leaving if i < m):
+        order[hole] = next(movers)
+    return order
+
+
 def _prefix(draft: Draft, k: int) -> Draft:
     """A chain draft's first ``k`` tokens (what the arm proposes with ``max_len = k``, for deterministic arms); a
     tree's first ``k`` nodes (a tree still: nodes come after their parents)."""
@@ -444,14 +456,14 @@ class BatchEngine:
         if at is None:
             raise KeyError(f"no row {rid} in the batch")
         row = self.rows[at]
-        self._select([i for i in range(len(self.rows)) if i != at])
+        self._select(fill_holes(len(self.rows), {at}))
         row.finished = time.perf_counter()
         return row
 
     def _drop_finished(self) -> list[Row]:
         done = [r for r in self.rows if r.done]
         if done:
-            self._select([i for i, r in enumerate(self.rows) if not r.done])
+            self._select(fill_holes(len(self.rows), {i for i, r in enumerate(self.rows) if r.done}))
         return done
 
     # ---- one round ------------------------------------------------------------------------------------------
