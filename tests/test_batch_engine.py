@@ -161,6 +161,9 @@ def test_full_information_and_cost_policies_learn_per_row_and_stay_lossless(mode
     server's carried policy) learns from all of them."""
     env = ArmEnv(model, TinyTokenizer(64), GREEDY)
     shared = build_policy(spec, len(POOL), 4)
+    updates = []
+    update = shared.update
+    shared.update = lambda arm, rec: updates.append(rec) or update(arm, rec)
     eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared,
                       Verifier(GREEDY, "torch"), length="cost" if "cost" in spec else "fixed")
     rows = eng.generate(PROMPTS, 20, max_batch=4)
@@ -171,7 +174,10 @@ def test_full_information_and_cost_policies_learn_per_row_and_stay_lossless(mode
     played = sum(len(r.rounds) for r in rows)
     plain = sum(len(h.rows) for h in eng.history if h.plain)  # rounds that could not speculate: no counterfactuals
     assert sum(rec.feedback is not None for r in rows for rec in r.rounds) == played - plain
-    assert shared.n_obs.sum() == (played - plain) * len(POOL) + plain  # each other round taught every arm
+    # each other round taught every arm it did not play, and the played one unless the engine let it draft nothing
+    assert 0 < len(updates) <= played - plain
+    assert all(rec.feedback is not None for rec in updates)  # no plain round taught the arm it named
+    assert shared.n_obs.sum() == (played - plain) * (len(POOL) - 1) + len(updates)
 
 
 @pytest.mark.slow
@@ -304,6 +310,27 @@ def test_a_rounds_own_work_leaves_out_the_caches_one_off_copies(model, monkeypat
     assert sum(h.verify_time > 0.06 for h in eng.history) >= 1  # the copies happened inside rounds
 
 
+def test_settling_earlier_counterfactuals_counts_as_speculative_work(model, monkeypatch):
+    """A router's plain rounds settle the counterfactual drafts of the speculative rounds before them: that time is
+    the speculative rounds' (added to the next one's own work), not the plain rounds', which would otherwise look
+    dear beside a block of two positions."""
+    import time as _time
+    from decode.choose.feedback import CounterfactualScorer
+
+    settle = CounterfactualScorer.settle
+    monkeypatch.setattr(CounterfactualScorer, "settle", lambda *a, **k: (_time.sleep(0.03), settle(*a, **k))[1])
+    env = ArmEnv(model, TinyTokenizer(model.config.vocab_size), GREEDY)
+    shared = build_policy("router:carry=true", len(POOL), 4)
+    eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared, Verifier(GREEDY, "torch"),
+                      length="cost")
+    eng.block_steps = lambda B, W, context: float(W)  # after the first rounds nothing pays: plain rounds settle
+    eng.overhead_steps = lambda B, w, one: 0.0
+    eng.generate(PROMPTS, 16, max_batch=4)
+    assert sum(h.plain for h in eng.history) > 3
+    assert eng.row_overhead[False] < 0.005  # a settle left in would read 7 ms a row at least
+    assert eng._deferred > 0.03 or eng.row_overhead[True] > 0.005  # it waits for, or went into, a speculative round
+
+
 @pytest.mark.parametrize("steps, speculates", [(lambda W: float(W), False), (lambda W: 1.0 + 0.01 * (W - 1), True)])
 def test_rounds_that_cannot_speculate_make_no_counterfactual_drafts(model, monkeypatch, steps, speculates):
     """The router batched under cost lengths: once the curve says no row could pay even with its best arm at its
@@ -317,6 +344,9 @@ def test_rounds_that_cannot_speculate_make_no_counterfactual_drafts(model, monke
                         lambda self, *a, **k: calls.append(1) or before(self, *a, **k))
     env = ArmEnv(model, TinyTokenizer(model.config.vocab_size), GREEDY)
     shared = build_policy("router:carry=true", len(POOL), 4)
+    updates = []
+    update = shared.update
+    shared.update = lambda arm, rec: updates.append(rec) or update(arm, rec)
     eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared, Verifier(GREEDY, "torch"),
                       length="cost")
     eng.block_steps = lambda B, W, context: steps(W)
@@ -328,6 +358,8 @@ def test_rounds_that_cannot_speculate_make_no_counterfactual_drafts(model, monke
     plain = [h for h in eng.history if h.plain]
     assert all(h.width == 1 for h in plain)
     assert len(calls) == sum(len(h.rows) for h in eng.history if not h.plain)
+    # a plain round plays no arm: the policy chooses none and learns nothing from it
+    assert len(updates) <= sum(len(h.rows) for h in eng.history if not h.plain)
     if speculates:  # plain only where every row had one token left
         assert len(plain) <= 2 and any(h.width > 1 for h in eng.history)
     else:  # only the first rounds, before the curve was measured, proposed counterfactually

@@ -358,6 +358,10 @@ class BatchEngine:
         self.row_overhead: dict[bool, float] = {}
         self._overhead_samples: dict[bool, deque] = {}
         self._housekeeping = 0.0  # seconds of the current round spent on the cache's one-off work
+        # seconds plain rounds spent settling the counterfactual drafts of earlier speculative rounds (a router's):
+        # counted in the next speculative round's own work, not in theirs (plain rounds that followed speculative
+        # ones read 1 ms a row at 16 rows for it, and so looked dear beside a block of two positions)
+        self._deferred = 0.0
         # t(n): seconds of a forward scoring n positions in all (B rows × W), per context bucket; pass one curve to
         # several engines on the same target and machine (an evaluation's segments) and what one measured the next
         # reuses. c_B(W) = t(B·W) / t(B) (:meth:`block_steps`)
@@ -479,10 +483,14 @@ class BatchEngine:
         seen: dict[int, tuple] = {}  # row id -> its counterfactual drafts, their times and the features shown
         picks = []
         for r in self.rows:
-            if r.pending is not None and not plain:  # every scorable arm proposes from its prefix (the router reads it)
+            if plain:  # no row may draft, so no arm is chosen (the round's record names the row's last arm)
+                picks.append(r.rounds[-1].arm if r.rounds else 0)
+                continue
+            if r.pending is not None:  # every scorable arm proposes from its prefix (the router reads it)
                 seen[r.rid] = r.scorer.before_round(r.policy, r.ctx, r.remaining)
             picks.append(r.policy.select())
-        caps = [0 if plain else max(0, min(r.arms[i].L, r.remaining - 1)) for r, i in zip(self.rows, picks)]
+        own = [max(0, min(r.arms[i].L, r.remaining - 1)) for r, i in zip(self.rows, picks)]  # the arms' own caps
+        caps = [0] * len(own) if plain else list(own)
         if self.length == "schedule":
             caps = [min(c, scheduled_length(self.schedule, len(self.rows))) for c in caps]
         elif self.length == "ema":
@@ -546,6 +554,7 @@ class BatchEngine:
         step = self._one_step_seconds(B, context, seconds / W)
         # each EAGLE head's rows of the target's hidden states, read out once for the batch
         feats = {id(d): d.features(hidden) for d in self.drafters.values() if d.needs_hidden and hidden is not None}
+        deferred = 0.0  # seconds settling earlier rounds' counterfactual drafts: speculative work, paid late
         # rows that drafted nothing under greedy decoding: their next tokens in one argmax (what verify returns)
         bare = [b for b, (r, d) in enumerate(zip(self.rows, drafts)) if not len(d) and r.verifier.cfg.greedy]
         nxt = dict(zip(bare, greedy_next(logits[bare, 0]))) if bare else {}
@@ -582,12 +591,18 @@ class BatchEngine:
             r.rounds.append(rec)
             if r.rid in seen:
                 show(r.policy, seen[r.rid][2])  # a policy shared by the rows learns under this row's features
-            r.policy.update(i, rec)
+            # a row the engine let draft nothing though its arm could (a plain round, a joint length of 0) played no
+            # arm: its one token says nothing of the arm, and learning it as the arm's reward (under whatever
+            # features were shown last) taught the policy that every arm it picked in plain rounds yields 1 token
+            if not (plain or (own[b] and not caps[b])):
+                r.policy.update(i, rec)
             if r.rid in seen:
                 r.scorer.after_round(r.policy, rec, seen[r.rid], getattr(r.arms[i], "last_match", 0), r.pending,
                                      r.rounds, r.tokens, remaining, finished=r.done)
             elif r.pending is not None:  # no counterfactual drafts this round: only the earlier rounds settle
+                ts = time.perf_counter()
                 r.scorer.settle(r.policy, r.pending, r.rounds, r.tokens, finished=r.done)
+                deferred += time.perf_counter() - ts
             self.acceptance.observe(r, i, draft_depth(d), outcome.accepted)
             if len(d):
                 a_ = float(rec.accepted)
@@ -602,7 +617,12 @@ class BatchEngine:
             r.finished = t2
         self.cache.tidy(self.compact_slack)  # padding and rejected drafts piled up: attend over what is valid only
         spec = bool(seen) or any(len(d) for d in drafts)  # speculative work was done: drafts, or counterfactual ones
-        per_row = max(0.0, t2 - t0 - probe - seconds - module_time - self._housekeeping) / B
+        own_work = t2 - t0 - probe - seconds - module_time - self._housekeeping
+        if spec:  # with the settling that plain rounds did since for earlier speculative ones
+            own_work, self._deferred = own_work + self._deferred, 0.0
+        else:
+            own_work, self._deferred = own_work - deferred, self._deferred + deferred
+        per_row = max(0.0, own_work) / B
         samples = self._overhead_samples.setdefault(spec, deque(maxlen=OVERHEAD_WINDOW))
         samples.append(per_row)
         self.row_overhead[spec] = statistics.median(samples)
