@@ -25,8 +25,10 @@ need a probe each time a row finishes and B changes). Each
 row's chosen arm has an acceptance estimate α (per position; the pool's statistics are shared across rows, so what
 request N learnt steers request N + 1, and a row's own rounds refine its estimate). Before any row chooses, the
 round is made plain when no K could pay even if every row played its most accepted arm at its longest cap: then no
-row drafts and a full-information policy (the router) gets no counterfactual drafts that round (every row's lookups
-for it would be pure loss; the rounds queued before still settle). First the choice is made on
+row drafts, no policy chooses or learns (no arm is played), and a full-information policy (the router) gets no
+counterfactual drafts that round (every row's lookups for it would be pure loss; the rounds queued before still
+settle, and that settling counts as speculative work). A row whose arm could draft but to which the joint length
+gave nothing does not teach its policy either. First the choice is made on
 every row's cap (its arm's L): when even that gives K = 0, no row drafts at all (a real draft is at most its cap,
 so it could not pay either; at large B most rounds are such, and their lookups were pure loss). Otherwise every
 row drafts up to its cap (model-free drafting is cheap), then all drafts are cut to one K chosen jointly for the
