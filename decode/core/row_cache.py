@@ -94,10 +94,11 @@ class RowCache:
         """Append one row whose (one-row, dynamic) cache holds ``n`` slots, all valid; ``cache`` None for ``n == 0``."""
         T = max(self.slots, n)
         self.valid = torch.cat([_pad(self.valid, T), _pad(torch.ones(1, n, dtype=torch.bool), T)])
+        new = [] if cache is None else _layers(cache)
         if self.hf is None:
             if cache is None:
                 return  # no slot in any row yet: allocated by the first forward
-            new = _layers(cache)  # the first slots: the new row's, with the (empty) rows before it
+            # the first slots: the new row's, with the (empty) rows before it
             self._allocate(self.rows, round_up(T, SLOTS), new[0].keys.dtype, new[0].keys.device)
         elif self.rows > self.row_room or T > self.capacity:  # no room: a new allocation (rows and slots doubled)
             rows = self.rows if self.rows <= self.row_room else max(self.rows, 2 * self.row_room)
@@ -108,9 +109,8 @@ class RowCache:
             for i, (k, v) in enumerate(self._base):
                 k[r, :, :T] = 0
                 v[r, :, :T] = 0
-                if cache is not None:
-                    layer = _layers(cache)[i]
-                    k[r, :, :n], v[r, :, :n] = layer.keys[0], layer.values[0]
+                if new:
+                    k[r, :, :n], v[r, :, :n] = new[i].keys[0], new[i].values[0]
         self._set(self._base, T)
 
     def select(self, keep: list[int]) -> None:
@@ -126,12 +126,14 @@ class RowCache:
         if self.hf is not None:
             n, T = len(keep), self.slots
             moves = [(dst, src) for dst, src in enumerate(keep) if dst != src]
+            # rows only from past the kept count into places left free: no kept row is overwritten, so row by row
+            alone = all(src >= n for _, src in moves)
             dev = _layers(self.hf)[0].keys.device
             idx = idx.to(dev)
             with torch.inference_mode():  # the slots were written by inference-mode forwards
                 for layer in _layers(self.hf):
-                    if moves and all(src >= n for _, src in moves):  # rows from past the kept count into places
-                        for dst, src in moves:  # left free: no kept row is overwritten, so row by row
+                    if moves and alone:
+                        for dst, src in moves:
                             layer.keys[dst, :, :T] = layer.keys[src, :, :T]
                             layer.values[dst, :, :T] = layer.values[src, :, :T]
                     elif moves:  # the right side is gathered into a new tensor first, so rows may overlap

@@ -337,13 +337,13 @@ class BatchEngine:
 
     ``make_arms()`` builds one row's arm instances (every row gets its own: model-free arms keep per-sequence
     state); ``make_policy(K)`` one row's policy over them; ``length``: ``fixed``, ``cost`` (joint K),
-    ``schedule:…`` or ``ema:…``; ``cost``: the forward-cost curve to learn into (shared across engines);
+    ``schedule:…`` or ``ema:…``;
     ``stock_model``: the target as loaded, when ``model`` runs packed linears (the arms' modules are then packed
     the same way, the stock target's never)."""
 
     def __init__(self, model, make_arms: Callable[[], list[Arm]], make_policy: Callable[[int], Policy],
                  verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 32,
-                 length: str = "fixed", cost: CostCurve | None = None, stock_model=None):
+                 length: str = "fixed", stock_model=None):
         self.length, self.schedule, self.tiers = parse_length(length)
         self.ema_accepted: float | None = None  # accepted drafts per row-round, smoothed (length=ema)
         # seconds of one forward of the drafting modules (a catch-up, then one per draft position), smoothed over the
@@ -364,10 +364,10 @@ class BatchEngine:
         # counted in the next speculative round's own work, not in theirs (plain rounds that followed speculative
         # ones read 1 ms a row at 16 rows for it, and so looked dear beside a block of two positions)
         self._deferred = 0.0
-        # t(n): seconds of a forward scoring n positions in all (B rows × W), per context bucket; pass one curve to
-        # several engines on the same target and machine (an evaluation's segments) and what one measured the next
-        # reuses. c_B(W) = t(B·W) / t(B) (:meth:`block_steps`)
-        self.cost = CostCurve() if cost is None else cost
+        # t(n): seconds of a forward scoring n positions in all (B rows × W), per context bucket, learnt by every
+        # round of the engine (a server's, an evaluation method's across its segments). c_B(W) = t(B·W) / t(B)
+        # (:meth:`block_steps`)
+        self.cost = CostCurve()
         self.acceptance = Acceptance()
         self.model = model
         self.compact_slack = compact_slack  # compact once the cache holds > the longest row + this many slots
