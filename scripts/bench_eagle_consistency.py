@@ -38,6 +38,11 @@ Measured (shipped head, AMD EPYC 2-core KVM guest shared with other jobs, 1 thre
 So the decode path computes exactly what training scores; the demo's lower figures come from its prompts
 (passage copying/rewriting, which the distilled tasks lack), from rounds starting after a miss (harder positions
 than the average one) and from the unconditional position-2 metric.
+
+The figures above are the EAGLE-1 head's. The third H100 session's EAGLE-3 head (shipped 2026-11-27), same 12
+regenerated greedy answers (held out of its training too: the split is by prompt hash at the same fraction), Zen 5
+AMD EPYC, 2 threads: both sides 0.642 ± 0.014 (chat 0.583, code 0.752, math 0.701, qa 0.651, summarization 0.484),
+0 positions differ; advance=match L=2: 0.615 (639 rounds), then 0.588 (391) given position 1 accepted.
 """
 from __future__ import annotations
 
