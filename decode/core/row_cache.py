@@ -104,13 +104,13 @@ class RowCache:
             rows = self.rows if self.rows <= self.row_room else max(self.rows, 2 * self.row_room)
             slots = self.capacity if T <= self.capacity else max(2 * self.capacity, round_up(T, SLOTS))
             self._set(self._regrown(rows, slots), T)
-        r = self.rows - 1  # the new row's slots, in room no row uses (cleared: an earlier row's may be there)
+        r = self.rows - 1  # the new row's slots, in room no row uses (past its n: cleared, a former row's may be there)
         with torch.inference_mode():  # the slots were written by inference-mode forwards
             for i, (k, v) in enumerate(self._base):
-                k[r, :, :T] = 0
-                v[r, :, :T] = 0
                 if new:
                     k[r, :, :n], v[r, :, :n] = new[i].keys[0], new[i].values[0]
+                k[r, :, n:T] = 0
+                v[r, :, n:T] = 0
         self._set(self._base, T)
 
     def select(self, keep: list[int]) -> None:
