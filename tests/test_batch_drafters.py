@@ -229,6 +229,41 @@ def test_rows_without_the_module_and_rows_joining_mid_flight(model, kind):
         assert done[rid].tokens == plain_greedy(model, p, 12 if rid in late else 20), p
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "drafter"])
+def test_a_module_runs_for_the_rows_that_draft_with_it_only(model, monkeypatch, kind):
+    """Nothing is fed to a module before a row drafts with it: rows whose policy never plays it leave it idle (their
+    entries wait), a row's first draft feeds its prompt and the tokens since in a forward of its own, and the
+    catch-ups after it hold the drafting rows' entries only; drafts are the serial chains and rows stay lossless."""
+    module = _module(model, kind)
+    seen = _spy(monkeypatch)
+    eng = _engine(model, module)
+    calls = []  # per forward of the module: (rows, width) of a row fed alone, the rows with real entries else
+    drafter_cls = type(eng._drafter(eng.make_arms()[0]))
+    run, forward = drafter_cls._run, drafter_cls._forward
+    monkeypatch.setattr(drafter_cls, "_run", lambda self, ids, extra, pos, cache, mask: (
+        mask is None and calls.append(tuple(ids.shape))) or run(self, ids, extra, pos, cache, mask))
+    monkeypatch.setattr(drafter_cls, "_forward", lambda self, ids, extra, pos, valid: calls.append(
+        valid.any(1).nonzero().flatten().tolist()) or forward(self, ids, extra, pos, valid))
+    idle = [eng.add(p, 12, policy=build_policy("fixed:arm=2", 3, 4)) for p in PROMPTS[:3]]  # arm 2: none
+    for _ in range(4):
+        eng.step()
+    assert not calls  # no row drafted with the module: it never ran
+    late = eng.add(PROMPTS[4], 12, policy=build_policy("fixed:arm=0", 3, 4))  # plays the module from its first round
+    done = {r.rid: r for r in eng.step()}
+    off = 0 if kind == "drafter" else 1  # EAGLE's entries start at the prompt's second token
+    assert calls[0] == (1, len(PROMPTS[4]) - off)  # its prompt alone, no other row padded in
+    d = next(iter(eng.drafters.values()))
+    assert d.entries[:3] == [0, 0, 0] and all(d.pending[:3])  # the idle rows' entries wait
+    while eng.rows:
+        done.update({r.rid: r for r in eng.step()})
+    assert len(calls) > 3 and all(len(c) == 1 for c in calls[1:])  # catch-ups and draft steps: the late row's only
+    for rid, p in zip(idle + [late], PROMPTS[:3] + [PROMPTS[4]]):
+        assert done[rid].tokens == plain_greedy(model, p, 12), p
+    assert seen and all(ctx[:len(PROMPTS[4])] == PROMPTS[4] for ctx, _, _ in seen)
+    for ctx, cap, draft in seen:
+        assert draft.tokens.tolist() == _neural(model, module, GREEDY).propose(ctx, cap).tokens.tolist(), ctx
+
+
 def test_modules_load_once_per_env_and_what_cannot_batch_is_refused(tmp_path, tiny_target_dir):
     from decode.core.models import load_model
 

@@ -383,3 +383,31 @@ def test_schedules_people_use_as_baselines(model):
     assert eng2.ema_accepted is not None and all(max(h.drafted) <= 4 for h in eng2.history)
     for p, r, r2 in zip(PROMPTS, rows, rows2):
         assert r.tokens == r2.tokens == plain_greedy(model, p, 16)
+
+
+def test_an_empty_row_is_filled_with_its_own_slots(model):
+    """RowCache.fill gives a row that has no slot yet (a drafter's row that drafts for the first time) a one-row
+    cache's slots as its first ones, widening every row's slots when that cache is longer than they are; the other
+    rows keep theirs, and a row that holds slots is refused."""
+    from transformers import DynamicCache
+
+    def prefill(ids):
+        cache = DynamicCache()
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        return cache
+
+    c = RowCache(model.config)
+    c.add(None, 0)
+    c.add(prefill([1, 2, 3]), 3)
+    c.add(None, 0)
+    c.fill(2, prefill([4, 5]), 2)  # shorter than the slots: none added
+    assert c.lengths() == [0, 3, 2] and c.slots == 3
+    long = [6, 7, 8, 9, 10, 11, 12]
+    c.fill(0, prefill(long), 7)  # longer: every row's slots widen
+    assert c.lengths() == [7, 3, 2] and c.slots == 7
+    for row, ids in [(0, long), (1, [1, 2, 3]), (2, [4, 5])]:
+        torch.testing.assert_close(c.hf.layers[0].keys[row, :, :len(ids)], prefill(ids).layers[0].keys[0])
+        assert c.valid[row].tolist() == [True] * len(ids) + [False] * (7 - len(ids))
+    with pytest.raises(ValueError, match="already holds slots"):
+        c.fill(1, prefill([1]), 1)

@@ -95,16 +95,36 @@ class RowCache:
         T = max(self.slots, n)
         self.valid = torch.cat([_pad(self.valid, T), _pad(torch.ones(1, n, dtype=torch.bool), T)])
         new = [] if cache is None else _layers(cache)
+        if self.hf is None and not new:
+            return  # no slot in any row yet: allocated by the first forward
+        self._room(T, new)
+        self._write(self.rows - 1, new, n, T)
+
+    def fill(self, row: int, cache: DynamicCache, n: int) -> None:
+        """Give ``row``, which has no valid slot (a drafter's row that had nothing to draft from yet), the ``n`` slots
+        of a one-row dynamic cache, all valid, as its first slots (every row's slots widen when n is past them)."""
+        if self.valid[row].any():
+            raise ValueError(f"row {row} already holds slots: only an empty row is filled")
+        T = max(self.slots, n)
+        self.valid = _pad(self.valid, T)
+        self.valid[row, :n] = True
+        new = _layers(cache)
+        self._room(T, new)
+        self._write(row, new, n, T)
+
+    def _room(self, T: int, like: list) -> None:
+        """An allocation holding every row and ``T`` slots (a first one shaped like the layers ``like``; else rows
+        and slots doubled when there is no room)."""
         if self.hf is None:
-            if cache is None:
-                return  # no slot in any row yet: allocated by the first forward
-            # the first slots: the new row's, with the (empty) rows before it
-            self._allocate(self.rows, round_up(T, SLOTS), new[0].keys.dtype, new[0].keys.device)
-        elif self.rows > self.row_room or T > self.capacity:  # no room: a new allocation (rows and slots doubled)
+            self._allocate(self.rows, round_up(T, SLOTS), like[0].keys.dtype, like[0].keys.device)
+        elif self.rows > self.row_room or T > self.capacity:
             rows = self.rows if self.rows <= self.row_room else max(self.rows, 2 * self.row_room)
             slots = self.capacity if T <= self.capacity else max(2 * self.capacity, round_up(T, SLOTS))
             self._set(self._regrown(rows, slots), T)
-        r = self.rows - 1  # the new row's slots, in room no row uses (past its n: cleared, a former row's may be there)
+
+    def _write(self, r: int, new: list, n: int, T: int) -> None:
+        """Row ``r``'s slots: the one-row layers ``new``'s ``n`` first, the rest up to ``T`` cleared (a former row's,
+        or padding, may be there); the layers then view ``T`` filled slots."""
         with torch.inference_mode():  # the slots were written by inference-mode forwards
             for i, (k, v) in enumerate(self._base):
                 if new:

@@ -8,12 +8,14 @@ share it draft together) and builds a :class:`BatchDrafter` for it (``batch_draf
 order, and every row that plays the arm in a round drafts in one forward per draft position.
 
 Per row, as each serial arm does it: the module's cache holds entries built from TRUE inputs only (committed
-tokens; for EAGLE, with the target's features at them). A joining row is prefilled alone (:meth:`add_row`).
-After every target round the engine hands each row its new tokens (and, to a drafter that ``needs_hidden``, the
-target's hidden states at the positions that produced them: :meth:`observe`); they wait as pending entries until
-a round in which some row drafts with this module, when ONE forward over a padded block brings every row's true
-entries up to its context (:meth:`catch_up`); then one forward per further draft position advances the rows still
-drafting, the others sitting in it as padding. The draft positions' slots become invisible once the drafts are
+tokens; for EAGLE, with the target's features at them), and nothing is fed before a row drafts: a joining row's
+prompt (:meth:`add_row`) and, after every target round, its new tokens (with, for a drafter that ``needs_hidden``,
+the target's hidden states at the positions that produced them: :meth:`observe`) wait as pending entries until a
+round in which that row drafts with this module (at 16 rows most rounds draft nothing, and prefilling a head for
+every joining row cost 9 ms a row here). Then :meth:`catch_up` feeds a row whose prompt is still pending alone
+(one long prompt padded in with the others would widen every row's block to its length), and the other drafting
+rows' pending entries in ONE forward over a padded block; then one forward per further draft position advances
+the rows still drafting, the others sitting in it as padding. The draft positions' slots become invisible once the drafts are
 out (``RowCache.forget``). A row's drafts are therefore the serial arm's from the same context (tested token for
 token on float64 targets), and lossless follows from the verifier, as for every arm.
 
@@ -87,24 +89,17 @@ class BatchDrafter:
     def rows(self) -> int:
         return len(self.used)
 
-    @torch.inference_mode()
     def add_row(self, prompt: list[int] | None, feats: torch.Tensor | None) -> None:
-        """Append a row, prefilled alone. ``prompt`` None: a row that does not draft with this module. ``feats``:
-        the target's rows at the prompt's cached positions 0..P-2 (``needs_hidden`` drafters; None otherwise)."""
+        """Append a row; its prompt's entries wait as its first pending ones (fed alone by the first round in which
+        it drafts with this module: :meth:`catch_up`). ``prompt`` None: a row that does not draft with this module.
+        ``feats``: the target's rows at the prompt's cached positions 0..P-2 (``needs_hidden`` drafters; None
+        otherwise)."""
         self.used.append(prompt is not None)
-        self.pending.append([])
-        self.after.append(None)
         ids, extra = ([], None) if prompt is None else self._prefill(prompt, feats)
-        cache = None
-        if ids:
-            cache = DynamicCache()
-            n = len(ids)
-            out = self._run(torch.tensor([ids], device=self.device),
-                            None if extra is None else self._extra(extra[None].to(self.device, self.dtype)),
-                            torch.arange(n, device=self.device)[None], cache, None)
-            self.after[-1] = out[0, -1]
-        self.entries.append(len(ids))
-        self.cache.add(cache, len(ids))
+        self.pending.append([(extra, list(ids))] if ids else [])
+        self.after.append(None)
+        self.entries.append(0)
+        self.cache.add(None, 0)
 
     def select(self, keep: list[int]) -> None:
         """Keep the rows ``keep`` (in that order), as the engine does."""
@@ -129,9 +124,17 @@ class BatchDrafter:
         return out
 
     @torch.inference_mode()
-    def catch_up(self) -> None:
-        """Feed every row's pending true entries in one forward; each such row's output after its context."""
-        widths = [sum(len(t) for _, t in p) for p in self.pending]
+    def catch_up(self, rows: list[int]) -> None:
+        """Feed the pending true entries of the rows ``rows`` (those about to draft); each one's output after its
+        context. A row with no entry yet (its prompt pending) is fed alone, into its empty cache row: padded in
+        with the others, one long prompt would widen every row's block to its length. The rest go in one forward,
+        every other row padding in it; rows not drafting keep their pending entries for a round in which they do."""
+        for b in rows:
+            if not self.entries[b] and self.pending[b]:
+                self._feed_alone(b)
+        widths = [0] * self.rows
+        for b in rows:
+            widths[b] = sum(len(t) for _, t in self.pending[b])
         W = max(widths, default=0)
         if not W:
             return
@@ -140,22 +143,42 @@ class BatchDrafter:
         valid = torch.zeros(B, W, dtype=torch.bool)
         pos = torch.arange(W)[None] + torch.tensor(self.entries)[:, None]
         extra = None
-        for b, (p, n) in enumerate(zip(self.pending, widths)):
+        for b, n in enumerate(widths):
             if not n:
                 continue
-            ids[b, :n] = torch.tensor([t for _, toks in p for t in toks])
+            toks, rows_in = self._inputs(b)
+            ids[b, :n] = torch.tensor(toks)
             valid[b, :n] = True
-            if p[0][0] is not None:
-                rows = self._extra(torch.cat([f for f, _ in p]).to(self.device, self.dtype)).to(self.dtype)
+            if rows_in is not None:
                 if extra is None:
-                    extra = torch.zeros(B, W, rows.shape[-1], device=self.device, dtype=self.dtype)
-                extra[b, :n] = rows
+                    extra = torch.zeros(B, W, rows_in.shape[-1], device=self.device, dtype=self.dtype)
+                extra[b, :n] = rows_in
         out = self._forward(ids, extra, pos, valid)
         for b, n in enumerate(widths):
             if n:
                 self.after[b] = out[b, n - 1]
                 self.entries[b] += n
                 self.pending[b] = []
+
+    def _inputs(self, b: int) -> tuple[list[int], torch.Tensor | None]:
+        """Row ``b``'s pending entries: their tokens and what the module reads beside them (None: tokens only)."""
+        p = self.pending[b]
+        toks = [t for _, ts in p for t in ts]
+        if p[0][0] is None:
+            return toks, None
+        return toks, self._extra(torch.cat([f for f, _ in p]).to(self.device, self.dtype)).to(self.dtype)
+
+    def _feed_alone(self, b: int) -> None:
+        """Row ``b``'s pending entries in a forward of its own (its cache row is empty), then written into its row."""
+        toks, rows_in = self._inputs(b)
+        n = len(toks)
+        cache = DynamicCache()
+        out = self._run(torch.tensor([toks], device=self.device), None if rows_in is None else rows_in[None],
+                        torch.arange(n, device=self.device)[None], cache, None)
+        self.cache.fill(b, cache, n)
+        self.after[b] = out[0, -1]
+        self.entries[b] = n
+        self.pending[b] = []
 
     @torch.inference_mode()
     def propose(self, rows: list[int], caps: list[int], arms: list) -> list[Draft]:
@@ -165,7 +188,7 @@ class BatchDrafter:
         drafts = [Draft.empty() for _ in rows]
         if not any(caps):
             return drafts
-        self.catch_up()
+        self.catch_up([b for b, c in zip(rows, caps) if c > 0])
         live = [k for k, (b, c) in enumerate(zip(rows, caps)) if c > 0 and self.after[b] is not None]
         if not live:
             return drafts
