@@ -7,17 +7,18 @@ share it draft together) and builds a :class:`BatchDrafter` for it (``batch_draf
 :class:`~decode.core.row_cache.RowCache` over the module's layers holds every row's cache, rows in the engine's
 order, and every row that plays the arm in a round drafts in one forward per draft position.
 
-Per row, as each serial arm does it: the module's cache holds entries built from TRUE inputs only (committed
-tokens; for EAGLE, with the target's features at them), and nothing is fed before a row drafts: a joining row's
-prompt (:meth:`add_row`) and, after every target round, its new tokens (with, for a drafter that ``needs_hidden``,
-the target's hidden states at the positions that produced them: :meth:`observe`) wait as pending entries until a
-round in which that row drafts with this module (at 16 rows most rounds draft nothing, and prefilling a head for
-every joining row cost 9 ms a row here). Then :meth:`catch_up` feeds a row whose prompt is still pending alone
-(one long prompt padded in with the others would widen every row's block to its length), and the other drafting
-rows' pending entries in ONE forward over a padded block; then one forward per further draft position advances
-the rows still drafting, the others sitting in it as padding. The draft positions' slots become invisible once the drafts are
-out (``RowCache.forget``). A row's drafts are therefore the serial arm's from the same context (tested token for
-token on float64 targets), and lossless follows from the verifier, as for every arm.
+Per row, as each serial arm does it: the module's cache holds entries built from TRUE inputs only (committed tokens;
+for EAGLE, with the target's features at them), and nothing is fed before a row drafts: a joining row's prompt
+(:meth:`add_row`) and, after every target round, its new tokens (with, for a drafter that ``needs_hidden``, the
+target's hidden states at the positions that produced them: :meth:`observe`) wait as pending entries until a round in
+which that row drafts with this module (at 16 rows most rounds draft nothing, and prefilling a head for every joining
+row cost 9 ms a row here; a row that never drafts holds its entries, for an EAGLE-3 head 3 × hidden floats a token,
+until it leaves). Then :meth:`catch_up` feeds a row whose prompt is still pending alone (one long prompt padded in
+with the others would widen every row's block to its length), and the other drafting rows' pending entries in ONE
+forward over a padded block; then one forward per further draft position advances the rows still drafting, the others
+sitting in it as padding. The draft positions' slots become invisible once the drafts are out (``RowCache.forget``).
+A row's drafts are therefore the serial arm's from the same context (tested token for token on float64 targets), and
+lossless follows from the verifier, as for every arm.
 
 A subclass says what a forward takes and returns (:meth:`_run`), how its output becomes logits over the target
 vocabulary (:meth:`_logits`), what a draft step feeds besides the drafted token (:meth:`_step_input`), and what a
