@@ -264,6 +264,25 @@ def test_a_module_runs_for_the_rows_that_draft_with_it_only(model, monkeypatch, 
         assert draft.tokens.tolist() == _neural(model, module, GREEDY).propose(ctx, cap).tokens.tolist(), ctx
 
 
+def test_a_rows_first_feed_is_not_counted_as_the_modules_drafting_cost(model, monkeypatch):
+    """length=cost learns what a module's forward costs from the rounds that draft with it; a row's first draft also
+    feeds its prompt alone, one-off work that must not enter that estimate (it is the round's housekeeping). With
+    that feed made to take 0.3 s, the estimate stays at the forwards' own time."""
+    import time
+    from decode.choose.arms.eagle.batched import EagleBatch
+    run = EagleBatch._run  # a forward without a mask is a row fed alone
+    monkeypatch.setattr(EagleBatch, "_run", lambda self, ids, extra, pos, cache, mask: (
+        mask is None and time.sleep(0.3)) or run(self, ids, extra, pos, cache, mask))
+    eng = _engine(model, _module(model, "eagle3"), policy="fixed:arm=0", length="cost")
+    eng._steps = lambda context, modules: (lambda w: 1.0 + 0.01 * (w - 1))  # drafting pays: the module runs
+    rows = eng.generate(PROMPTS[:3], 8)
+    for p, r in zip(PROMPTS[:3], rows):
+        assert r.tokens == plain_greedy(model, p, 8), p
+    d = next(iter(eng.drafters.values()))
+    assert d.fed_seconds >= 0.9  # three rows' prompts, each fed once
+    assert eng.module_seconds is not None and eng.module_seconds < 0.03  # (with the feeds: > 0.05)
+
+
 def test_modules_load_once_per_env_and_what_cannot_batch_is_refused(tmp_path, tiny_target_dir):
     from decode.core.models import load_model
 

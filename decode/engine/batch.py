@@ -522,10 +522,14 @@ class BatchEngine:
             pieces = [[p if p is None or len(p) <= cut else _prefix(p, cut) for p in ps] for ps in pieces]
             caps = [min(c, cut) for c in caps]
         module_rows = [b for b, ps in enumerate(pieces) if any(p is None for p in ps) and caps[b]]
-        ta = time.perf_counter()
+        ta, fed = time.perf_counter(), self._fed_seconds()
         self._propose_batched(picks, caps, pieces)
         if module_rows:  # a catch-up forward, then one per draft position (the drafts are on the host: synchronised)
-            module_time = time.perf_counter() - ta
+            # a row's first draft feeds its prompt alone first: one-off work of the row, like a cache's growth, not
+            # what a module's forward costs (it made the next rounds' chains look dearer after every join)
+            joins = self._fed_seconds() - fed
+            self._housekeeping += joins
+            module_time = time.perf_counter() - ta - joins
             per = module_time / (1 + max(caps[b] for b in module_rows))
             self.module_seconds = per if self.module_seconds is None else 0.8 * self.module_seconds + 0.2 * per
         drafts = [r.arms[i].combine(ps, cut) for r, i, ps in zip(self.rows, picks, pieces)]
@@ -749,6 +753,10 @@ class BatchEngine:
                              past_key_values=self.cache.hf, use_cache=True, output_hidden_states=hidden)
         synchronize(self.device)
         return out.logits, time.perf_counter() - t, out.hidden_states if hidden else None
+
+    def _fed_seconds(self) -> float:
+        """Seconds the drafters have spent feeding rows' prompts alone (``BatchDrafter.fed_seconds``)."""
+        return sum(d.fed_seconds for d in self.drafters.values())
 
     def _free_pieces(self, row: Row, i: int, cap: int) -> list[Draft | None]:
         """The drafts of arm ``i``'s parts for ``row`` up to ``cap`` tokens (each part up to its own L too): a

@@ -26,9 +26,12 @@ joining row's prefill feeds (:meth:`_prefill`).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import DynamicCache
 
+from ...common.device import synchronize
 from ...core.draft import Draft
 from ...core.row_cache import RowCache
 from ...core.sampling import choose_token
@@ -55,6 +58,7 @@ class BatchDrafter:
         # per row, inputs not fed yet: (extra input rows [n, ·] or None, their tokens)
         self.pending: list[list[tuple[torch.Tensor | None, list[int]]]] = []
         self.after: list[torch.Tensor | None] = []  # the module's output after the row's context (None: none yet)
+        self.fed_seconds = 0.0  # spent feeding rows' prompts alone (one-off work per row: not a draft step's cost)
         for _ in range(rows):
             self.add_row(None, None)
 
@@ -171,6 +175,7 @@ class BatchDrafter:
 
     def _feed_alone(self, b: int) -> None:
         """Row ``b``'s pending entries in a forward of its own (its cache row is empty), then written into its row."""
+        t = time.perf_counter()
         toks, rows_in = self._inputs(b)
         n = len(toks)
         cache = DynamicCache()
@@ -180,6 +185,8 @@ class BatchDrafter:
         self.after[b] = out[0, -1]
         self.entries[b] = n
         self.pending[b] = []
+        synchronize(self.device)
+        self.fed_seconds += time.perf_counter() - t
 
     @torch.inference_mode()
     def propose(self, rows: list[int], caps: list[int], arms: list) -> list[Draft]:
