@@ -35,8 +35,9 @@ row drafts up to its cap (model-free drafting is cheap), then all drafts are cut
 batch on the lengths d_r actually drafted, to maximise Σ_rows E_r(min(K, d_r)) / c_B(1 + K) with
 E(k) = 1 + α + … + α^k (the expected tokens of a chain whose positions each survive with α). When a row's arm drafts
 with a module (an EAGLE head, a drafter, a union holding one), the cost adds that module's forwards (a catch-up and
-one per draft position, at the seconds the rounds measured; a row's first draft with it also feeds its prompt), and the module's rows are left out of the round when
-the others' cheap drafts alone expect more per unit of cost. The cost also counts the round's own work per row
+one per draft position, at the seconds the rounds measured; a row's first draft with it also feeds its prompt), and
+the module's rows are left out of the round when the others' cheap drafts alone expect more per unit of cost. The
+cost also counts the round's own work per row
 outside the forwards (policies, lookups, verification, commits, compaction), measured apart for rounds that did
 speculative work (drafts, or a full-information policy's counterfactual drafts) and rounds that did none. As B grows
 the block's cost rises with W, and speculation backs off by itself; it returns when the batch shrinks.
