@@ -662,7 +662,7 @@ class BatchEngine:
         drafting, their module's forwards counted (:meth:`_steps`), or those rows not drafting at all, whichever
         expects more tokens per unit of cost; the other rows' cheap drafts stay possible either way."""
         modules = [_drafts_with_module(r, i) for r, i in zip(self.rows, picks)]
-        steps = self._steps(context, modules=any(modules), feeds=self._first_feeds_cost(
+        steps = self._steps(context, modules=any(modules), feeds=self._feed_seconds(
             [b for b, (m, c) in enumerate(zip(modules, caps)) if m and c], picks))
         K, value = best_length(alphas, caps, steps)
         if not any(m and c for m, c in zip(modules, caps)):
@@ -672,7 +672,7 @@ class BatchEngine:
         K_without, value_without = best_length(alphas, without, plain)
         return (without, plain, K_without) if value_without >= value else (caps, steps, K)
 
-    def _first_feeds_cost(self, rows: list[int], picks: list[int]) -> float:
+    def _feed_seconds(self, rows: list[int], picks: list[int]) -> float:
         """Seconds the first drafts among ``rows`` (each with its pick's modules) would spend feeding prompts alone,
         at the seconds per entry such feeds took so far (0 before the first): with modules fed only for the rows that
         draft, a row's first draft carries its prompt's feed (~9 ms a row of 200 tokens here, a fifth of a round at
@@ -689,7 +689,7 @@ class BatchEngine:
         """The cost of a round whose block is w positions per row, in one-position forwards of the batch: the block's
         c_B(w), plus, when some row drafts with a module (an EAGLE head, a drafter), the module's w forwards (a
         catch-up and w - 1 draft steps) at their measured seconds and the ``feeds`` seconds its rows' first drafts
-        feed their prompts in (:meth:`_first_feeds_cost`): at large B a head's steps cost as much as the block's extra
+        feed their prompts in (:meth:`_feed_seconds`): at large B a head's steps cost as much as the block's extra
         positions, and a length that ignored them speculated at a loss. Plus the round's own work per
         row (``row_overhead``: a speculative round's when w > 1, a plain round's else; a speculative round not yet
         measured counts as a plain one), which at B = 16 here was 1.7 ms a row in speculative rounds against 0.45 ms
