@@ -35,9 +35,8 @@ row drafts up to its cap (model-free drafting is cheap), then all drafts are cut
 batch on the lengths d_r actually drafted, to maximise Σ_rows E_r(min(K, d_r)) / c_B(1 + K) with
 E(k) = 1 + α + … + α^k (the expected tokens of a chain whose positions each survive with α). When a row's arm drafts
 with a module (an EAGLE head, a drafter, a union holding one), the cost adds that module's forwards (a catch-up and
-one per draft position, at the seconds the rounds measured; a row's first draft with it also feeds its prompt), and
-the module's rows are left out of the round when the others' cheap drafts alone expect more per unit of cost. The
-cost also counts the round's own work per row
+one per draft position, at the seconds the rounds measured), and the module's rows are left out of the round when
+the others' cheap drafts alone expect more per unit of cost. The cost also counts the round's own work per row
 outside the forwards (policies, lookups, verification, commits, compaction), measured apart for rounds that did
 speculative work (drafts, or a full-information policy's counterfactual drafts) and rounds that did none. As B grows
 the block's cost rises with W, and speculation backs off by itself; it returns when the batch shrinks.
@@ -662,8 +661,7 @@ class BatchEngine:
         drafting, their module's forwards counted (:meth:`_steps`), or those rows not drafting at all, whichever
         expects more tokens per unit of cost; the other rows' cheap drafts stay possible either way."""
         modules = [_drafts_with_module(r, i) for r, i in zip(self.rows, picks)]
-        steps = self._steps(context, modules=any(modules), feeds=self._feed_seconds(
-            [b for b, (m, c) in enumerate(zip(modules, caps)) if m and c], picks))
+        steps = self._steps(context, modules=any(modules))
         K, value = best_length(alphas, caps, steps)
         if not any(m and c for m, c in zip(modules, caps)):
             return caps, steps, K
@@ -672,25 +670,11 @@ class BatchEngine:
         K_without, value_without = best_length(alphas, without, plain)
         return (without, plain, K_without) if value_without >= value else (caps, steps, K)
 
-    def _feed_seconds(self, rows: list[int], picks: list[int]) -> float:
-        """Seconds the first drafts among ``rows`` (each with its pick's modules) would spend feeding prompts alone,
-        at the seconds per entry such feeds took so far (0 before the first): with modules fed only for the rows that
-        draft, a row's first draft carries its prompt's feed (~9 ms a row of 200 tokens here, a fifth of a round at
-        16 rows), and a length blind to it drafted fresh rows at a loss."""
-        fed = sum(d.fed_entries for d in self.drafters.values())
-        if not fed:
-            return 0.0
-        per = self._fed_seconds() / fed
-        entries = sum(d.unfed(b) for b in rows for d in {id(d): d for (i, _), d in self.rows[b].drafters.items()
-                                                          if i == picks[b]}.values())
-        return per * entries
-
-    def _steps(self, context: int, modules: bool, feeds: float = 0.0) -> Callable[[int], float]:
+    def _steps(self, context: int, modules: bool) -> Callable[[int], float]:
         """The cost of a round whose block is w positions per row, in one-position forwards of the batch: the block's
         c_B(w), plus, when some row drafts with a module (an EAGLE head, a drafter), the module's w forwards (a
-        catch-up and w - 1 draft steps) at their measured seconds and the ``feeds`` seconds its rows' first drafts
-        feed their prompts in (:meth:`_feed_seconds`): at large B a head's steps cost as much as the block's extra
-        positions, and a length that ignored them speculated at a loss. Plus the round's own work per
+        catch-up and w - 1 draft steps) at their measured seconds: at large B a head's steps cost as much as the
+        block's extra positions, and a length that ignored them speculated at a loss. Plus the round's own work per
         row (``row_overhead``: a speculative round's when w > 1, a plain round's else; a speculative round not yet
         measured counts as a plain one), which at B = 16 here was 1.7 ms a row in speculative rounds against 0.45 ms
         in plain ones, a third of a forward."""
@@ -699,8 +683,8 @@ class BatchEngine:
 
         def steps(w: int) -> float:
             total = self.block_steps(B, w, context) + self.overhead_steps(B, w, one)
-            if modules and w > 1 and one:
-                total += ((self.module_seconds or 0.0) * w + feeds) / one
+            if modules and w > 1 and self.module_seconds and one:
+                total += self.module_seconds * w / one
             return total
         return steps
 

@@ -58,9 +58,7 @@ class BatchDrafter:
         # per row, inputs not fed yet: (extra input rows [n, ·] or None, their tokens)
         self.pending: list[list[tuple[torch.Tensor | None, list[int]]]] = []
         self.after: list[torch.Tensor | None] = []  # the module's output after the row's context (None: none yet)
-        # spent feeding rows' prompts alone, and the entries so fed (one-off work per row: not a draft step's cost,
-        # but what a row's first draft costs beside its steps: ``unfed``)
-        self.fed_seconds, self.fed_entries = 0.0, 0
+        self.fed_seconds = 0.0  # spent feeding rows' prompts alone (one-off work per row: not a draft step's cost)
         for _ in range(rows):
             self.add_row(None, None)
 
@@ -167,11 +165,6 @@ class BatchDrafter:
                 self.entries[b] += n
                 self.pending[b] = []
 
-    def unfed(self, b: int) -> int:
-        """How many entries row ``b``'s next draft feeds alone first (its prompt and the tokens since, until it has
-        drafted with this module once; 0 after)."""
-        return 0 if self.entries[b] else sum(len(t) for _, t in self.pending[b])
-
     def _inputs(self, b: int) -> tuple[list[int], torch.Tensor | None]:
         """Row ``b``'s pending entries: their tokens and what the module reads beside them (None: tokens only)."""
         p = self.pending[b]
@@ -194,7 +187,6 @@ class BatchDrafter:
         self.pending[b] = []
         synchronize(self.device)
         self.fed_seconds += time.perf_counter() - t
-        self.fed_entries += n
 
     @torch.inference_mode()
     def propose(self, rows: list[int], caps: list[int], arms: list) -> list[Draft]:
