@@ -137,21 +137,17 @@ class BatchDrafter:
         for b in rows:
             if not self.entries[b] and self.pending[b]:
                 self._feed_alone(b)
-        widths = [0] * self.rows
-        for b in rows:
-            widths[b] = sum(len(t) for _, t in self.pending[b])
-        W = max(widths, default=0)
-        if not W:
+        inputs = {b: self._inputs(b) for b in rows if self.pending[b]}  # row -> its tokens, what it reads beside
+        if not inputs:
             return
+        W = max(len(toks) for toks, _ in inputs.values())
         B = self.rows
         ids = torch.zeros(B, W, dtype=torch.long)
         valid = torch.zeros(B, W, dtype=torch.bool)
         pos = torch.arange(W)[None] + torch.tensor(self.entries)[:, None]
         extra = None
-        for b, n in enumerate(widths):
-            if not n:
-                continue
-            toks, rows_in = self._inputs(b)
+        for b, (toks, rows_in) in inputs.items():
+            n = len(toks)
             ids[b, :n] = torch.tensor(toks)
             valid[b, :n] = True
             if rows_in is not None:
@@ -159,11 +155,10 @@ class BatchDrafter:
                     extra = torch.zeros(B, W, rows_in.shape[-1], device=self.device, dtype=self.dtype)
                 extra[b, :n] = rows_in
         out = self._forward(ids, extra, pos, valid)
-        for b, n in enumerate(widths):
-            if n:
-                self.after[b] = out[b, n - 1]
-                self.entries[b] += n
-                self.pending[b] = []
+        for b, (toks, _) in inputs.items():
+            self.after[b] = out[b, len(toks) - 1]
+            self.entries[b] += len(toks)
+            self.pending[b] = []
 
     def _inputs(self, b: int) -> tuple[list[int], torch.Tensor | None]:
         """Row ``b``'s pending entries: their tokens and what the module reads beside them (None: tokens only)."""
