@@ -11,7 +11,7 @@ from decode.choose.policies import build_policy
 from decode.common.errors import UserError
 from decode.core.sampling import SamplingConfig
 from decode.core.verify import Verifier
-from decode.engine.batch import BatchEngine, RowCache, fill_holes
+from decode.engine.batch import Acceptance, BatchEngine, RowCache, fill_holes
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 GREEDY = SamplingConfig()
@@ -228,6 +228,44 @@ def test_cost_lengths_stay_lossless_and_learn_shared_acceptance(model, max_batch
     assert set(eng.acceptance.shared) - {0}  # drafting arms' acceptance pooled over the rows
     widths = {h.width for h in eng.history}
     assert len(widths) > 1  # K moved with what was learnt
+
+
+def test_acceptance_draws_one_posterior_sample_per_arm_per_round_and_concentrate_with_data():
+    """Thompson draws (Acceptance with rng): every row reads the same draw of an arm's shared mean within a round,
+    a new round draws afresh, few observations spread the draws widely and many concentrate them on the mean."""
+    import random
+    from types import SimpleNamespace
+    acc = Acceptance(rng=random.Random(0))
+    acc.shared = {0: [0.0, 3.0], 1: [900.0, 100.0]}
+    a, b = SimpleNamespace(acceptance={}), SimpleNamespace(acceptance={})
+    few, many = [], []
+    for _ in range(400):
+        acc.new_round()
+        assert acc.alpha(a, 0) == acc.alpha(b, 0)
+        few.append(acc.shared_mean(0))
+        many.append(acc.shared_mean(1))
+    assert len(set(few)) == 400 and max(few) > 0.5 and min(few) < 0.05  # Beta(1, 4): P(> 0.5) = 1/16
+    assert all(0.85 < m < 0.95 for m in many) and abs(sum(many) / 400 - 0.9) < 0.01
+    assert Acceptance().shared_mean(0) == 0.5 and Acceptance().alpha(a, 0) == 0.5  # no rng: the posterior mean
+
+
+@pytest.mark.parametrize("draws", [False, True])
+def test_an_arm_whose_first_drafts_failed_is_tried_again(model, draws):
+    """An arm's acceptance is learnt only from rounds that draft with it: with posterior means, a few rejections
+    pushed it below break-even for good (no round drafted again); with Thompson draws a draw exceeds break-even now
+    and then, so the arm drafts again and its estimate keeps learning. Lossless either way."""
+    eng = _engine(model, pool=["pld:L=4"], policy="fixed:arm=0", length="cost")
+    if not draws:
+        eng.acceptance.rng = None
+    eng.acceptance.shared = {0: [0.0, 6.0]}  # six rejections, no accepted position: mean 1/8
+    eng.block_steps = lambda B, W, context: 1.0 + 0.3 * (W - 1)  # pinned: break-even α is ~0.3
+    eng.overhead_steps = lambda B, w, one: 0.0
+    eng.cost.sizes = lambda: {1, 2}  # a measured curve: the gate before choosing decides
+    rows = eng.generate(PROMPTS, 24, max_batch=2)
+    for p, r in zip(PROMPTS, rows):
+        assert r.tokens == plain_greedy(model, p, 24), p
+    assert any(h.width > 1 for h in eng.history) == draws
+    assert (sum(eng.acceptance.shared[0]) > 6) == draws
 
 
 @pytest.mark.parametrize("steps, drafts", [(lambda W: float(W), False), (lambda W: 1.0 + 0.01 * (W - 1), True)])

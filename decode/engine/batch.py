@@ -23,7 +23,9 @@ scores B·W queries), refined by every round at whatever B it runs, and seeded b
 choice; c_B(W) = t(B·W) / t(B), so a batch size never seen reads what the others measured (a per-B curve would
 need a probe each time a row finishes and B changes). Each
 row's chosen arm has an acceptance estimate α (per position; the pool's statistics are shared across rows, so what
-request N learnt steers request N + 1, and a row's own rounds refine its estimate). Before any row chooses, the
+request N learnt steers request N + 1, and a row's own rounds refine its estimate; the shared part is drawn from its
+posterior each round, Thompson sampling, so an arm whose first drafts were unlucky is tried again:
+:class:`Acceptance`). Before any row chooses, the
 round is made plain when no K could pay even if every row played its most accepted arm at its longest cap: then no
 row drafts, no policy chooses or learns (no arm is played), and a full-information policy (the router) gets no
 counterfactual drafts that round (every row's lookups for it would be pure loss; the rounds queued before still
@@ -67,6 +69,7 @@ sampled chains) are refused with a clear error (:func:`check_batchable`).
 """
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections import deque
@@ -260,11 +263,25 @@ class BatchRound:
 
 class Acceptance:
     """Per-position acceptance of each arm: shared counts over every row (Beta(1, 1) prior) and a row's own counts
-    on top, weighted as ``prior`` pseudo-observations of the shared mean."""
+    on top, weighted as ``prior`` pseudo-observations of the shared mean.
 
-    def __init__(self, prior: float = 4.0):
+    With ``rng``, the shared mean is a draw from its Beta posterior, one per arm per round (:meth:`new_round`):
+    Thompson sampling. An arm's acceptance is learnt only from the rounds that draft with it, and the joint length
+    drafts only where the estimate pays, so posterior means made a few unlucky first drafts absorbing: on the AMX
+    Xeon the carried UCBSpec saw 0 of 12 drafted tokens accepted in its first request at B = 1, its arms' means
+    fell below break-even, and it never drafted again (MAT 1.00 for 13 segments, 0.84x the best baseline). A draw
+    still exceeds break-even now and then while the counts are few, so such an arm is tried again; with many
+    observations the draws concentrate on the mean. Without ``rng``: the posterior means (deterministic)."""
+
+    def __init__(self, prior: float = 4.0, rng: random.Random | None = None):
         self.prior = prior
+        self.rng = rng
         self.shared: dict[int, list[float]] = {}  # arm -> [accepted positions, rejections]
+        self._draws: dict[int, float] = {}  # arm -> this round's draw of its shared mean
+
+    def new_round(self) -> None:
+        """Forget the round's draws: the next :meth:`alpha` of each arm draws afresh from its posterior."""
+        self._draws.clear()
 
     def observe(self, row: "Row", arm: int, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -274,11 +291,19 @@ class Acceptance:
             counts[0] += hit
             counts[1] += miss
 
-    def alpha(self, row: "Row", arm: int) -> float:
+    def shared_mean(self, arm: int) -> float:
+        """The arm's acceptance over every row: its posterior mean, or with ``rng`` this round's draw from the
+        posterior Beta(1 + accepted, 1 + rejections)."""
         s, f = self.shared.get(arm, (0.0, 0.0))
-        mean = (s + 1) / (s + f + 2)
+        if self.rng is None:
+            return (s + 1) / (s + f + 2)
+        if arm not in self._draws:
+            self._draws[arm] = self.rng.betavariate(s + 1, f + 1)
+        return self._draws[arm]
+
+    def alpha(self, row: "Row", arm: int) -> float:
         rs, rf = row.acceptance.get(arm, (0.0, 0.0))
-        return (rs + self.prior * mean) / (rs + rf + self.prior)
+        return (rs + self.prior * self.shared_mean(arm)) / (rs + rf + self.prior)
 
 
 def fill_holes(n: int, leaving: set[int]) -> list[int]:
@@ -339,11 +364,11 @@ class BatchEngine:
     state); ``make_policy(K)`` one row's policy over them; ``length``: ``fixed``, ``cost`` (joint K),
     ``schedule:…`` or ``ema:…``;
     ``stock_model``: the target as loaded, when ``model`` runs packed linears (the arms' modules are then packed
-    the same way, the stock target's never)."""
+    the same way, the stock target's never); ``seed``: the acceptance estimates' Thompson draws (:class:`Acceptance`)."""
 
     def __init__(self, model, make_arms: Callable[[], list[Arm]], make_policy: Callable[[int], Policy],
                  verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 32,
-                 length: str = "fixed", stock_model=None):
+                 length: str = "fixed", stock_model=None, seed: int = 0):
         self.length, self.schedule, self.tiers = parse_length(length)
         self.ema_accepted: float | None = None  # accepted drafts per row-round, smoothed (length=ema)
         # seconds of one forward of the drafting modules (a catch-up, then one per draft position), smoothed over the
@@ -368,7 +393,7 @@ class BatchEngine:
         # round of the engine (a server's, an evaluation method's across its segments). c_B(W) = t(B·W) / t(B)
         # (:meth:`block_steps`)
         self.cost = CostCurve()
-        self.acceptance = Acceptance()
+        self.acceptance = Acceptance(rng=random.Random(seed))  # Thompson draws (:class:`Acceptance`)
         self.model = model
         self.compact_slack = compact_slack  # compact once the cache holds > the longest row + this many slots
         self.make_arms = make_arms
@@ -480,6 +505,7 @@ class BatchEngine:
             return []
         t0 = time.perf_counter()
         probe = module_time = self._housekeeping = 0.0
+        self.acceptance.new_round()
         context = max(len(r.ctx) for r in self.rows)
         plain = self.length == "cost" and self._nothing_pays(context)
         seen: dict[int, tuple] = {}  # row id -> its counterfactual drafts, their times and the features shown

@@ -159,7 +159,7 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
                 carried.append(policy)
             return policy
         eng = BatchEngine(run, lambda: [build_arm(s, env) for s in m.arms], make_policy, verifier, eos,
-                          pad_id=pad, length=m.length, stock_model=model)
+                          pad_id=pad, length=m.length, stock_model=model, seed=seed)
         if keep:
             engines[m.name] = eng
         return eng

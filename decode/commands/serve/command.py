@@ -227,7 +227,7 @@ def batch_engine(args, specs: list[str], model, tok, engine):
     batch = BatchEngine(engine.target.model, make_arms,
                         lambda K: build_policy(args.policy, K, engine.max_len, seed=args.seed), engine.verifier,
                         engine.eos, pad_id=pad_token_id(tok, sorted(engine.eos)), length=args.batch_length,
-                        stock_model=model)
+                        stock_model=model, seed=args.seed)
     warm = encode_prompt(tok, "Hello")
     batch.generate([warm, warm], 4)
     return batch, make_arms
