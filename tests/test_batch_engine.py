@@ -330,6 +330,20 @@ def test_block_cost_is_a_ratio_read_where_both_widths_were_measured(model):
     assert eng.block_steps(4, 8, 900) == pytest.approx(eng.cost.seconds_at(32, 900) / eng.cost.seconds_at(4, 900))
 
 
+def test_block_cost_is_read_at_its_own_batch_size_where_that_size_measured_it(model):
+    """c_B(W) = t_B(W) / t_B(1) where batch size B measured both widths (16 rows × 2 positions read the KV of 16
+    rows, not of the 8 rows whose 4-wide blocks measured the shared t(32)); the shared curve where it did not."""
+    eng = _engine(model, pool=["none"], policy="fixed:arm=0", length="cost")
+    for B, W, t in ((8, 1, 0.080), (8, 2, 0.096), (8, 4, 0.125), (16, 1, 0.100)):
+        eng._observe_cost(B, W, 300, t)
+    # shared: t(32) / t(16), the latter the median of 8 rows × 2 and 16 rows × 1
+    assert eng.block_steps(16, 2, 300) == pytest.approx(0.125 / 0.098)
+    eng._observe_cost(16, 2, 300, 0.137)
+    assert eng.block_steps(16, 2, 300) == pytest.approx(1.37)  # its own measurement
+    assert eng.block_steps(8, 2, 300) == pytest.approx(1.2)
+    assert eng.cost.seconds(32, 300) == pytest.approx(0.131) and eng.cost_at[16].seconds(2, 300) == 0.137  # both kept
+
+
 def test_a_rounds_own_work_leaves_out_the_caches_one_off_copies(model, monkeypatch):
     """The cache's one-off work (its capacity growing, rows leaving, compaction) is not a round's own work per row:
     a 60 ms copy in one round once raised a plain round's figure sixfold, and plain rounds then looked dear. Rows

@@ -393,6 +393,11 @@ class BatchEngine:
         # round of the engine (a server's, an evaluation method's across its segments). c_B(W) = t(B·W) / t(B)
         # (:meth:`block_steps`)
         self.cost = CostCurve()
+        # t_B(W) per batch size B (n = W positions a row): at the same B·W a block's forward differs with its rows
+        # (each row's KV is read once per forward): on the AMX Xeon 16 rows × 2 positions took 135-139 ms where the
+        # shared t(32), measured mostly on 8 rows × 4, read 117, and the router drafted at B = 16 at a loss. Read
+        # first where this B measured both widths (:meth:`block_steps`); the shared curve covers the rest
+        self.cost_at: dict[int, CostCurve] = {}
         self.acceptance = Acceptance(rng=random.Random(seed))  # Thompson draws (:class:`Acceptance`)
         self.model = model
         self.compact_slack = compact_slack  # compact once the cache holds > the longest row + this many slots
@@ -580,7 +585,7 @@ class BatchEngine:
         t1 = time.perf_counter()
         logits, seconds, hidden = self._forward(ids, pos, block_valid, hidden=any(map(_needs_hidden, self.rows)),
                                                 within=within)
-        self.cost.observe(B * W, context, seconds)
+        self._observe_cost(B, W, context, seconds)
         keep = torch.zeros(B, W, dtype=torch.bool)
         accepted = []
         step = self._one_step_seconds(B, context, seconds / W)
@@ -721,13 +726,23 @@ class BatchEngine:
         overhead = self.row_overhead.get(True, plain) if w > 1 else plain
         return B * overhead / one if overhead is not None and one else 0.0
 
+    def _observe_cost(self, B: int, W: int, context: int, seconds: float) -> None:
+        """A forward of B rows × W positions took ``seconds``: the shared t(B·W) and this batch size's t_B(W)."""
+        self.cost.observe(B * W, context, seconds)
+        self.cost_at.setdefault(B, CostCurve()).observe(W, context, seconds)
+
     def block_steps(self, B: int, W: int, context: int) -> float:
-        """c_B(W): a forward of a block W wide over B rows, in forwards of one position per row: t(B·W) / t(B), from
-        the nearest context bucket that measured sizes around both (:meth:`CostCurve.growth`), else from absolute
-        times each read where they were measured (W itself while nothing is measured: every position a full
-        forward)."""
+        """c_B(W): a forward of a block W wide over B rows, in forwards of one position per row: t_B(W) / t_B(1)
+        where this batch size measured widths around both in one context bucket, else t(B·W) / t(B) of the shared
+        curve from the nearest context bucket that measured sizes around both (:meth:`CostCurve.growth`), else from
+        absolute times each read where they were measured (W itself while nothing is measured: every position a
+        full forward)."""
         if W == 1:
             return 1.0
+        own = self.cost_at.get(B)
+        ratio = None if own is None else own.growth(1, W, context)
+        if ratio is not None:
+            return ratio
         ratio = self.cost.growth(B, B * W, context)
         if ratio is not None:
             return ratio
@@ -760,7 +775,7 @@ class BatchEngine:
             block = torch.ones(B, w, dtype=torch.bool)
             pos = torch.tensor([len(r.ctx) - 1 for r in self.rows])[:, None] + torch.arange(w)
             _, seconds, _ = self._forward(last[:, None].expand(B, w), pos, block)
-            self.cost.observe(B * w, context, seconds)
+            self._observe_cost(B, w, context, seconds)
             self.cache.commit(torch.zeros(B, w, dtype=torch.bool))  # the probe's slots are never visible again
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, block_valid: torch.Tensor,
