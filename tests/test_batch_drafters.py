@@ -280,7 +280,7 @@ def test_a_rows_first_feed_is_not_counted_as_the_modules_drafting_cost(model, mo
         assert r.tokens == plain_greedy(model, p, 8), p
     d = next(iter(eng.drafters.values()))
     assert d.fed_seconds >= 0.9  # three rows' prompts, each fed once
-    assert eng.module_seconds is not None and eng.module_seconds < 0.03  # (with the feeds: > 0.05)
+    assert eng.module_seconds and max(eng.module_seconds.values()) < 0.03  # (with the feeds: > 0.05)
 
 
 def test_modules_load_once_per_env_and_what_cannot_batch_is_refused(tmp_path, tiny_target_dir):
@@ -416,7 +416,7 @@ def test_cost_lengths_count_the_modules_own_forwards(model, monkeypatch, module_
     ids = [eng.add(p, 16) for p in PROMPTS[:4]]
     done = {}
     while eng.rows:
-        eng.module_seconds = module_seconds  # what the rounds measure, pinned for the test
+        eng.module_seconds = {n: module_seconds for n in range(1, 5)}  # what the rounds measure, pinned
         done.update({r.rid: r for r in eng.step()})
     for rid, p in zip(ids, PROMPTS):
         assert done[rid].tokens == plain_greedy(model, p, 16), p

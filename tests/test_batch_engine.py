@@ -344,6 +344,21 @@ def test_block_cost_is_read_at_its_own_batch_size_where_that_size_measured_it(mo
     assert eng.cost.seconds(32, 300) == pytest.approx(0.131) and eng.cost_at[16].seconds(2, 300) == 0.137  # both kept
 
 
+def test_a_modules_forward_is_costed_at_the_number_of_rows_drafting_with_it(model):
+    """A module forward's seconds are kept per number of rows that drafted with it and read at the nearest count
+    measured (one figure for all read 6.7 ms where 16 rows took 10), and so is its share of a round's cost."""
+    eng = _engine(model, pool=["none"], policy="fixed:arm=0", length="cost")
+    assert eng.module_seconds_at(4) is None
+    eng.module_seconds = {2: 0.005, 16: 0.010}
+    assert [eng.module_seconds_at(n) for n in (16, 12, 3, 9)] == [0.010, 0.010, 0.005, 0.005]
+    eng.block_steps = lambda B, W, context: 1.0
+    eng.overhead_steps = lambda B, w, one: 0.0
+    eng._one_seconds = lambda B, context: 0.1
+    assert eng._steps(300, 16)(3) == pytest.approx(1 + 3 * 0.010 / 0.1)
+    assert eng._steps(300, 2)(3) == pytest.approx(1 + 3 * 0.005 / 0.1)
+    assert eng._steps(300, 0)(3) == 1.0 and eng._steps(300, 16)(1) == 1.0
+
+
 def test_a_rounds_own_work_leaves_out_the_caches_one_off_copies(model, monkeypatch):
     """The cache's one-off work (its capacity growing, rows leaving, compaction) is not a round's own work per row:
     a 60 ms copy in one round once raised a plain round's figure sixfold, and plain rounds then looked dear. Rows

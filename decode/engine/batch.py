@@ -372,8 +372,9 @@ class BatchEngine:
         self.length, self.schedule, self.tiers = parse_length(length)
         self.ema_accepted: float | None = None  # accepted drafts per row-round, smoothed (length=ema)
         # seconds of one forward of the drafting modules (a catch-up, then one per draft position), smoothed over the
-        # rounds that drafted with one: what a module's chain costs beside the block (length=cost, :meth:`_steps`)
-        self.module_seconds: float | None = None
+        # rounds that drafted with one, per number of rows that drafted with one: what a module's chain costs beside
+        # the block (length=cost, :meth:`_steps`). Per rows: one figure for all read 6.7 ms where 16 rows took 10
+        self.module_seconds: dict[int, float] = {}
         # seconds per row of a round outside its block's forward, the probe and the modules' drafting (policies,
         # lookups, verification, commits), the median of the last OVERHEAD_WINDOW rounds, apart for rounds that did
         # speculative work (True: some row drafted, or a full-information policy's rows drafted counterfactually) and
@@ -562,7 +563,8 @@ class BatchEngine:
             self._housekeeping += joins
             module_time = time.perf_counter() - ta - joins
             per = module_time / (1 + max(caps[b] for b in module_rows))
-            self.module_seconds = per if self.module_seconds is None else 0.8 * self.module_seconds + 0.2 * per
+            last = self.module_seconds.get(len(module_rows))
+            self.module_seconds[len(module_rows)] = per if last is None else 0.8 * last + 0.2 * per
         drafts = [r.arms[i].combine(ps, cut) for r, i, ps in zip(self.rows, picks, pieces)]
         lens = [1 + len(d) for d in drafts]
         W = max(lens)
@@ -682,7 +684,7 @@ class BatchEngine:
                 mine = [i for i in range(len(r.arms)) if _drafts_with_module(r, i) == modules]
                 alphas.append(max((self.acceptance.alpha(r, i) for i in mine), default=0.0))
                 caps.append(max(0, min(max((r.arms[i].L for i in mine), default=0), r.remaining - 1)))
-            if max(caps) and joint_length(alphas, caps, self._steps(context, modules)) > 0:
+            if max(caps) and joint_length(alphas, caps, self._steps(context, sum(map(bool, caps)) if modules else 0)) > 0:
                 return False
         return True
 
@@ -692,32 +694,47 @@ class BatchEngine:
         drafting, their module's forwards counted (:meth:`_steps`), or those rows not drafting at all, whichever
         expects more tokens per unit of cost; the other rows' cheap drafts stay possible either way."""
         modules = [_drafts_with_module(r, i) for r, i in zip(self.rows, picks)]
-        steps = self._steps(context, modules=any(modules))
+        steps = self._steps(context, sum(bool(m and c) for m, c in zip(modules, caps)))
         K, value = best_length(alphas, caps, steps)
         if not any(m and c for m, c in zip(modules, caps)):
             return caps, steps, K
         without = [0 if m else c for m, c in zip(modules, caps)]
-        plain = self._steps(context, modules=False)
+        plain = self._steps(context, 0)
         K_without, value_without = best_length(alphas, without, plain)
         return (without, plain, K_without) if value_without >= value else (caps, steps, K)
 
-    def _steps(self, context: int, modules: bool) -> Callable[[int], float]:
+    def _steps(self, context: int, modules: int) -> Callable[[int], float]:
         """The cost of a round whose block is w positions per row, in one-position forwards of the batch: the block's
-        c_B(w), plus, when some row drafts with a module (an EAGLE head, a drafter), the module's w forwards (a
-        catch-up and w - 1 draft steps) at their measured seconds: at large B a head's steps cost as much as the
+        c_B(w), plus, when ``modules`` rows draft with a module (an EAGLE head, a drafter), the module's w forwards (a
+        catch-up and w - 1 draft steps) at their measured seconds for that many rows (:meth:`module_seconds_at`): at large B a head's steps cost as much as the
         block's extra positions, and a length that ignored them speculated at a loss. Plus the round's own work per
         row (``row_overhead``: a speculative round's when w > 1, a plain round's else; a speculative round not yet
         measured counts as a plain one), which at B = 16 here was 1.7 ms a row in speculative rounds against 0.45 ms
         in plain ones, a third of a forward."""
         B = len(self.rows)
-        one = self.cost.seconds_at(B, context)
+        one = self._one_seconds(B, context)
+        module = self.module_seconds_at(modules) if modules else None
 
         def steps(w: int) -> float:
             total = self.block_steps(B, w, context) + self.overhead_steps(B, w, one)
-            if modules and w > 1 and self.module_seconds and one:
-                total += self.module_seconds * w / one
+            if module and w > 1 and one:
+                total += module * w / one
             return total
         return steps
+
+    def module_seconds_at(self, rows: int) -> float | None:
+        """Seconds of a module forward with ``rows`` rows drafting: measured at that many rows, else at the nearest
+        count measured (None before any)."""
+        if rows in self.module_seconds:
+            return self.module_seconds[rows]
+        return self.module_seconds[min(self.module_seconds, key=lambda n: (abs(n - rows), n))] if self.module_seconds else None
+
+    def _one_seconds(self, B: int, context: int) -> float | None:
+        """Seconds of a one-position forward of B rows near ``context``: this batch size's own t_B(1) where measured,
+        else the shared t(B)."""
+        own = self.cost_at.get(B)
+        t = None if own is None else own.seconds(1, context)
+        return t if t is not None else self.cost.seconds_at(B, context)
 
     def overhead_steps(self, B: int, w: int, one: float | None) -> float:
         """A round's own work outside its forwards for B rows (``row_overhead``), in forwards of one position per row
@@ -759,7 +776,7 @@ class BatchEngine:
     def _one_step_seconds(self, B: int, context: int, fallback: float) -> float:
         """Seconds of a one-position forward over this batch, per row: the round's step unit for throughput rewards
         (``fallback``, per row, while no such forward is measured at this size)."""
-        return (self.cost.seconds_at(B, context) or fallback) / B
+        return (self._one_seconds(B, context) or fallback) / B
 
     def _seed_cost(self, widest: int, context: int) -> None:
         """Before the first length choice of a curve that has measured fewer than two sizes: a probe at this batch, one forward
