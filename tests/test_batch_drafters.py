@@ -18,19 +18,12 @@ from decode.common.errors import UserError
 from decode.core.sampling import SamplingConfig
 from decode.core.vocab import DraftVocab
 from decode.core.verify import Verifier
-from decode.engine.batch import BatchEngine, SpeculationGate, check_batch_arm_specs, check_batchable
+from decode.engine.batch import BatchEngine, check_batch_arm_specs, check_batchable
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 GREEDY = SamplingConfig()
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [5], [3, 3, 8, 3, 3, 8, 3, 3, 8, 3],
            [12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40], [2, 4]]
-
-
-@pytest.fixture(autouse=True)
-def _gate_open(monkeypatch):
-    """The goodput gate reads wall-clock rounds (on a tiny model, noise): pinned open here, where the cost model and
-    the rounds are under test (tests/test_speculation_gate.py tests the gate)."""
-    monkeypatch.setattr(SpeculationGate, "closes", lambda self, B: False)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from decode.choose.policies import build_policy
 from decode.common.errors import UserError
 from decode.core.sampling import SamplingConfig
 from decode.core.verify import Verifier
-from decode.engine.batch import Acceptance, BatchEngine, RowCache, SpeculationGate, fill_holes
+from decode.engine.batch import Acceptance, BatchEngine, RowCache, fill_holes
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 GREEDY = SamplingConfig()
@@ -19,13 +19,6 @@ POOL = ["none", "pld:L=3", "suffix:L=4", "pld:L=1"]
 # repetitive prompts (lookup arms find matches, so drafts get accepted and rejected), one of length 1
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [5], [3, 3, 8, 3, 3, 8, 3, 3, 8, 3],
            [12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40], [2, 4]]
-
-
-@pytest.fixture(autouse=True)
-def _gate_open(monkeypatch):
-    """The goodput gate reads wall-clock rounds (on a tiny model, noise): pinned open here, where the cost model and
-    the rounds are under test (tests/test_speculation_gate.py tests the gate)."""
-    monkeypatch.setattr(SpeculationGate, "closes", lambda self, B: False)
 
 
 def _engine(model, pool=POOL, policy="random", sampling=GREEDY, eos=(), seed=0, **kw):

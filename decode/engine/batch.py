@@ -69,7 +69,6 @@ sampled chains) are refused with a clear error (:func:`check_batchable`).
 """
 from __future__ import annotations
 
-import math
 import random
 import statistics
 import time
@@ -307,41 +306,6 @@ class Acceptance:
         return (rs + self.prior * self.shared_mean(arm)) / (rs + rf + self.prior)
 
 
-class SpeculationGate:
-    """Per batch size, whether rounds that may speculate pay against plain ones, judged on the rounds' own goodput
-    (tokens per second of the round, its one-off work left out) rather than on the cost model's prediction.
-
-    The cost model adds up what it measured (the block's forward, the modules' forwards, a round's own work per
-    row); what it does not see — the router's counterfactual lookups in rounds that then draft nothing, a draft
-    round's verification per row — made speculation look break-even at B = 16 on the AMX Xeon where its rounds ran
-    ~15% below plain batching's. So where the model would let rows speculate, the gate compares the goodput of the
-    last ``window`` rounds at this batch size that were let speculate with that of its plain ones, each mean drawn
-    from a normal of its standard error (Thompson sampling, so the loser is still tried while the two are close),
-    and closes the round when the draw for speculating is lower. Before ``least`` rounds of each kind at this B are
-    measured the model decides, except that plain rounds are played until ``least`` are measured there."""
-
-    def __init__(self, rng: random.Random, window: int = 32, least: int = 3):
-        self.rng, self.window, self.least = rng, window, least
-        self.rates: dict[int, dict[bool, deque]] = {}  # B -> {speculative?: the last rounds' tokens per second}
-
-    def observe(self, B: int, speculative: bool, tokens: int, seconds: float) -> None:
-        if seconds > 0:
-            kinds = self.rates.setdefault(B, {True: deque(maxlen=self.window), False: deque(maxlen=self.window)})
-            kinds[speculative].append(tokens / seconds)
-
-    def closes(self, B: int) -> bool:
-        """Whether a round at batch size B that the cost model would let speculate should be plain instead."""
-        kinds = self.rates.get(B)
-        if kinds is None or len(kinds[True]) < self.least:
-            return False
-        if len(kinds[False]) < self.least:
-            return True
-        return self._draw(kinds[True]) < self._draw(kinds[False])
-
-    def _draw(self, rates: deque) -> float:
-        return self.rng.gauss(statistics.fmean(rates), statistics.stdev(rates) / math.sqrt(len(rates)))
-
-
 def fill_holes(n: int, leaving: set[int]) -> list[int]:
     """Which of ``n`` rows to keep when the rows ``leaving`` go, in their new order: a kept row in the first
     ``n - len(leaving)`` places stays there and the last rows move into the places left free, so the caches move
@@ -436,7 +400,6 @@ class BatchEngine:
         # first where this B measured both widths (:meth:`block_steps`); the shared curve covers the rest
         self.cost_at: dict[int, CostCurve] = {}
         self.acceptance = Acceptance(rng=random.Random(seed))  # Thompson draws (:class:`Acceptance`)
-        self.gate = SpeculationGate(random.Random(seed + 1))  # speculate at this B at all? (length=cost)
         self.model = model
         self.compact_slack = compact_slack  # compact once the cache holds > the longest row + this many slots
         self.make_arms = make_arms
@@ -551,8 +514,6 @@ class BatchEngine:
         self.acceptance.new_round()
         context = max(len(r.ctx) for r in self.rows)
         plain = self.length == "cost" and self._nothing_pays(context)
-        if self.length == "cost" and not plain:  # the model would let rows speculate: does it pay at this B?
-            plain = self.gate.closes(len(self.rows))
         seen: dict[int, tuple] = {}  # row id -> its counterfactual drafts, their times and the features shown
         picks = []
         for r in self.rows:
@@ -690,9 +651,6 @@ class BatchEngine:
         t2 = time.perf_counter()
         self.history.append(BatchRound([r.rid for r in self.rows], W, [len(d) for d in drafts], accepted,
                                        t1 - t0, t2 - t1, plain))
-        if self.length == "cost":  # the round's goodput, its one-off work (and a plain round's settling) left out
-            self.gate.observe(B, not plain, sum(len(r.last) for r in self.rows),
-                              t2 - t0 - probe - self._housekeeping - (deferred if plain else 0.0))
         finished = self._drop_finished()
         for r in finished:
             r.finished = t2
