@@ -2,6 +2,7 @@
 whatever its batch-mates do — mixed prompt lengths, different arms and lengths per row, EOS at different rounds,
 rows joining mid-flight — and sampled rows follow the target's distribution."""
 import collections
+from collections import deque
 
 import pytest
 import torch
@@ -19,6 +20,13 @@ POOL = ["none", "pld:L=3", "suffix:L=4", "pld:L=1"]
 # repetitive prompts (lookup arms find matches, so drafts get accepted and rejected), one of length 1
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [5], [3, 3, 8, 3, 3, 8, 3, 3, 8, 3],
            [12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40], [2, 4]]
+
+
+@pytest.fixture(autouse=True)
+def _model_costs(monkeypatch):
+    """A round's cost as the model says (no correction from wall-clock rounds, on a tiny model mostly noise): the
+    tests here pin or check the model itself (tests/test_cost_calibration.py tests the correction)."""
+    monkeypatch.setattr(BatchEngine, "calibration", lambda self, B, speculative: 1.0)
 
 
 def _engine(model, pool=POOL, policy="random", sampling=GREEDY, eos=(), seed=0, **kw):
@@ -308,7 +316,8 @@ def test_cost_lengths_count_a_rounds_own_work_per_row(model, spec_seconds, draft
     done = {}
     while eng.rows:
         done.update({r.rid: r for r in eng.step()})
-        eng.row_overhead = {False: 0.0, True: spec_seconds}  # what the rounds measured, pinned for the test
+        # what the rounds measured, pinned for the test: per row, no fixed part
+        eng.round_work = lambda B, speculative: B * (spec_seconds if speculative else 0.0)
     for rid, p in zip(ids, PROMPTS):
         assert done[rid].tokens == plain_greedy(model, p, 16), p
     assert eng.overhead_steps(4, 2, 1e-3) == pytest.approx(4 * spec_seconds / 1e-3)
@@ -357,6 +366,24 @@ def test_a_modules_forward_is_costed_at_the_number_of_rows_drafting_with_it(mode
     assert eng._steps(300, 16)(3) == pytest.approx(1 + 3 * 0.010 / 0.1)
     assert eng._steps(300, 2)(3) == pytest.approx(1 + 3 * 0.005 / 0.1)
     assert eng._steps(300, 0)(3) == 1.0 and eng._steps(300, 16)(1) == 1.0
+
+
+def test_a_rounds_own_work_has_a_fixed_part_and_a_part_per_row(model):
+    """A round's own work is fitted as a + b·B to each batch size's median (what a batch's tail measures, with few
+    rows sharing the fixed part, no longer says what 16 rows cost); one batch size measured: per row × B."""
+    eng = _engine(model, pool=["none"], policy="fixed:arm=0", length="cost")
+    assert eng.round_work(16, False) is None and eng.overhead_steps(16, 1, 0.1) == 0.0
+    eng._own_work[False] = deque([(2, 0.0031), (2, 0.0029), (2, 0.0030)])
+    eng.row_overhead[False] = 0.0015
+    assert eng.round_work(16, False) == pytest.approx(16 * 0.0015)
+    eng._own_work[False].extend([(4, 0.004), (8, 0.006), (8, 0.0061), (8, 0.0059), (1, 0.0025)])
+    assert eng.round_work(16, False) == pytest.approx(0.002 + 0.0005 * 16)  # 2 ms a round, 0.5 ms a row
+    assert eng.round_work(16, True) is None
+    assert eng.overhead_steps(16, 2, 0.1) == pytest.approx(eng.round_work(16, False) / 0.1)  # not yet measured
+    eng._own_work[True] = deque([(4, 0.004), (8, 0.004)])  # more rows, no more work: flat
+    assert eng.round_work(16, True) == pytest.approx(0.004)
+    eng._own_work[True] = deque([(2, 0.001), (4, 0.004)])  # a negative fixed part: per row through the origin
+    assert eng.round_work(6, True) == pytest.approx(6 * (2 * 0.001 + 4 * 0.004) / 20)
 
 
 def test_a_rounds_own_work_leaves_out_the_caches_one_off_copies(model, monkeypatch):

@@ -98,6 +98,8 @@ from .loop import TokenBudget
 # (``Arm.free_counterfactual``), so every row holds its own cheap instances and every one of them is scorable
 MODEL_FREE = {"pld", "suffix", "none"}
 OVERHEAD_WINDOW = 16  # rounds of each kind whose own work per row the cost's estimate is the median of
+WORK_WINDOW = 96  # rounds of each kind whose own work, by batch size, gives its fixed and per-row parts
+CALIBRATION_WINDOW, CALIBRATION_LEAST = 32, 3  # rounds a batch size's cost correction is the median of; fewest read
 LENGTHS = ("fixed", "cost", "schedule:<B range>=<K>,...", "ema:<tier>,...")
 
 
@@ -385,6 +387,10 @@ class BatchEngine:
         # dear none was played to correct it
         self.row_overhead: dict[bool, float] = {}
         self._overhead_samples: dict[bool, deque] = {}
+        # speculative? -> (B, seconds) of the last rounds' own work, for its fixed and per-row parts (:meth:`round_work`)
+        self._own_work: dict[bool, deque] = {}
+        # (B, drafted?) -> realised ÷ modelled seconds of the last rounds of that kind (:meth:`calibration`)
+        self._calibration: dict[tuple[int, bool], deque] = {}
         self._housekeeping = 0.0  # seconds of the current round spent on the cache's one-off work
         # seconds plain rounds spent settling the counterfactual drafts of earlier speculative rounds (a router's):
         # counted in the next speculative round's own work, not in theirs (plain rounds that followed speculative
@@ -569,6 +575,9 @@ class BatchEngine:
         lens = [1 + len(d) for d in drafts]
         W = max(lens)
         B = len(self.rows)
+        # what the model charges for this round as it is played, in seconds (before the forward updates the curve)
+        one = self._one_seconds(B, context) if self.length == "cost" else None
+        modelled = self.modelled_steps(context, len(module_rows))(W) * one if one else None
         ids = torch.full((B, W), self.pad_id, dtype=torch.long)
         pos = torch.zeros(B, W, dtype=torch.long)
         block_valid = torch.zeros(B, W, dtype=torch.bool)
@@ -665,6 +674,12 @@ class BatchEngine:
         samples = self._overhead_samples.setdefault(spec, deque(maxlen=OVERHEAD_WINDOW))
         samples.append(per_row)
         self.row_overhead[spec] = statistics.median(samples)
+        self._own_work.setdefault(spec, deque(maxlen=WORK_WINDOW)).append((B, max(0.0, own_work)))
+        # the model's error at this B: rounds that drafted, and rounds with no speculative work at all (a round that
+        # only made counterfactual drafts is neither: its cost was decided when the round was let speculate)
+        if modelled and (W > 1 or not spec):
+            real = t2 - t0 - probe - self._housekeeping - (0.0 if spec else deferred)
+            self._calibration.setdefault((B, W > 1), deque(maxlen=CALIBRATION_WINDOW)).append(real / modelled)
         return finished
 
     def _nothing_pays(self, context: int) -> bool:
@@ -704,13 +719,37 @@ class BatchEngine:
         return (without, plain, K_without) if value_without >= value else (caps, steps, K)
 
     def _steps(self, context: int, modules: int) -> Callable[[int], float]:
-        """The cost of a round whose block is w positions per row, in one-position forwards of the batch: the block's
+        """:meth:`modelled_steps`, corrected by what rounds at this batch size cost against it (:meth:`calibration`;
+        a speculative round's correction for w > 1, a plain round's for w = 1)."""
+        model = self.modelled_steps(context, modules)
+        B = len(self.rows)
+        plain, spec = self.calibration(B, False), self.calibration(B, True)
+        return lambda w: model(w) * (spec if w > 1 else plain)
+
+    def calibration(self, B: int, speculative: bool) -> float:
+        """Realised ÷ modelled seconds of the last rounds at batch size B that drafted (``speculative``) or did no
+        speculative work at all, their median; where B has fewer than CALIBRATION_LEAST such rounds, the median over
+        every batch size; 1.0 before that. The model adds up what it measures apart (the block's forward, the modules'
+        forwards, a round's own work per row); what escapes it — the block's forward over more rows than the curve
+        measured it with, a head's features for the rows, verification row by row — made drafting rounds at B = 16
+        cost ~1.2× their model on the AMX Xeon, and the router drafted there at what the model called break-even and
+        was ~15% slower. Corrected by this ratio, a round's cost is what such rounds cost; unlike a comparison of
+        rounds' goodput (tried and reverted: its record of drafting rounds dated from while acceptance was still being
+        learnt and only refreshed when it let rows draft, so it closed for good), the ratio is a property of the
+        machine and the batch, not of what the arms have learnt."""
+        own = self._calibration.get((B, speculative))
+        if own is not None and len(own) >= CALIBRATION_LEAST:
+            return statistics.median(own)
+        pooled = [x for (_, s), d in self._calibration.items() if s == speculative for x in d]
+        return statistics.median(pooled) if len(pooled) >= CALIBRATION_LEAST else 1.0
+
+    def modelled_steps(self, context: int, modules: int) -> Callable[[int], float]:
+        """The modelled cost of a round whose block is w positions per row, in one-position forwards of the batch: the block's
         c_B(w), plus, when ``modules`` rows draft with a module (an EAGLE head, a drafter), the module's w forwards (a
         catch-up and w - 1 draft steps) at their measured seconds for that many rows (:meth:`module_seconds_at`): at large B a head's steps cost as much as the
-        block's extra positions, and a length that ignored them speculated at a loss. Plus the round's own work per
-        row (``row_overhead``: a speculative round's when w > 1, a plain round's else; a speculative round not yet
-        measured counts as a plain one), which at B = 16 here was 1.7 ms a row in speculative rounds against 0.45 ms
-        in plain ones, a third of a forward."""
+        block's extra positions, and a length that ignored them speculated at a loss. Plus the round's own work
+        (:meth:`round_work`: a speculative round's when w > 1, a plain round's else), which at B = 16 on the EPYC was
+        1.7 ms a row in speculative rounds against 0.45 ms in plain ones, a third of a forward."""
         B = len(self.rows)
         one = self._one_seconds(B, context)
         module = self.module_seconds_at(modules) if modules else None
@@ -737,11 +776,37 @@ class BatchEngine:
         return t if t is not None else self.cost.seconds_at(B, context)
 
     def overhead_steps(self, B: int, w: int, one: float | None) -> float:
-        """A round's own work outside its forwards for B rows (``row_overhead``), in forwards of one position per row
-        (``one`` seconds); 0 while nothing is measured."""
-        plain = self.row_overhead.get(False)
-        overhead = self.row_overhead.get(True, plain) if w > 1 else plain
-        return B * overhead / one if overhead is not None and one else 0.0
+        """A round's own work outside its forwards for B rows (:meth:`round_work`: a speculative round's when w > 1,
+        a plain round's else; a speculative round not yet measured counts as a plain one), in forwards of one
+        position per row (``one`` seconds); 0 while nothing is measured."""
+        plain = self.round_work(B, False)
+        work = (self.round_work(B, True) or plain) if w > 1 else plain
+        return work / one if work is not None and one else 0.0
+
+    def round_work(self, B: int, speculative: bool) -> float | None:
+        """Seconds of a round's own work at B rows: a + b·B, fitted (least squares, a and b ≥ 0) to the median own
+        work of each batch size among the last WORK_WINDOW rounds of that kind; with one batch size measured, its
+        median per row × B (``row_overhead``); None before any. A figure per row alone, measured mostly in a batch's
+        tail where few rows share a round's fixed work, charged 16 rows 0.95 ms each where such rounds did 0.45 on
+        the AMX Xeon, and plain rounds looked dearer than drafting ones."""
+        samples = self._own_work.get(speculative)
+        if not samples:
+            return None
+        by: dict[int, list[float]] = {}
+        for b, seconds in samples:
+            by.setdefault(b, []).append(seconds)
+        if len(by) == 1:
+            return B * self.row_overhead[speculative]
+        xs = list(by)
+        ys = [statistics.median(by[b]) for b in xs]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        if slope < 0:  # more rows never cost less: a flat round cost
+            return my
+        a = my - slope * mx
+        if a < 0:  # through the origin: per row only
+            return B * sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        return a + slope * B
 
     def _observe_cost(self, B: int, W: int, context: int, seconds: float) -> None:
         """A forward of B rows × W positions took ``seconds``: the shared t(B·W) and this batch size's t_B(W)."""

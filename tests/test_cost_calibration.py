@@ -1,0 +1,70 @@
+"""The batched engine's cost correction per batch size (decode/engine/batch.py, BatchEngine.calibration): what rounds
+cost against what the cost model charged for them, applied to the model's cost of the next rounds."""
+from collections import deque
+
+import pytest
+import torch
+
+from decode.choose.arms import ArmEnv, build_arm
+from decode.choose.policies import build_policy
+from decode.core.sampling import SamplingConfig
+from decode.core.verify import Verifier
+from decode.engine.batch import BatchEngine
+from helpers import TinyTokenizer, plain_greedy, tiny_llama
+
+GREEDY = SamplingConfig()
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [3, 3, 8, 3, 3, 8, 3, 3, 8, 3], [7, 9, 11, 7, 9],
+           [12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab=64, layers=2, seed=3, peaked=4.0).double()
+
+
+def _engine(model):
+    env = ArmEnv(model, TinyTokenizer(64), GREEDY)
+    return BatchEngine(model, lambda: [build_arm("pld:L=3", env)], lambda K: build_policy("fixed:arm=0", K, 3),
+                       Verifier(GREEDY, "torch", torch.Generator().manual_seed(0)), (), length="cost")
+
+
+def test_the_correction_is_read_at_its_batch_size_else_over_all_sizes_and_scales_the_models_cost(model):
+    eng = _engine(model)
+    assert eng.calibration(16, True) == 1.0  # nothing measured: the model as it is
+    eng._calibration[(16, True)] = deque([1.2, 1.25, 1.18])
+    eng._calibration[(4, True)] = deque([0.9, 1.0])  # too few rounds at B = 4 to read its own
+    eng._calibration[(16, False)] = deque([1.0, 1.02, 0.98])
+    assert eng.calibration(16, True) == 1.2
+    assert eng.calibration(4, True) == pytest.approx(1.18)  # the median over every batch size
+    assert eng.calibration(8, False) == 1.0
+    eng.modelled_steps = lambda context, modules: (lambda w: 1.0 + 0.25 * (w - 1))
+    eng.rows = [None] * 16
+    steps = eng._steps(300, 0)
+    assert steps(1) == pytest.approx(1.0) and steps(2) == pytest.approx(1.25 * 1.2)
+
+
+def test_rounds_that_cost_more_than_modelled_stop_the_rows_drafting(model):
+    """The model says drafting pays (its block and round costs pinned nearly free, acceptance high), but every
+    drafting round is made 30 ms slower: the rounds measure that against the model and the rows stop drafting.
+    Lossless either way."""
+    eng = _engine(model)
+    eng.block_steps = lambda B, W, context: 1.0 + 0.01 * (W - 1)
+    eng.overhead_steps = lambda B, w, one: 0.0
+    eng.acceptance.rng = None
+    eng.acceptance.shared = {0: [50.0, 5.0]}
+    free = eng._free_pieces
+
+    def slow(row, i, cap):
+        if cap:  # a plain round asks no row for a draft
+            import time
+            time.sleep(0.03 / 4)  # 30 ms over a round of 4 rows
+        return free(row, i, cap)
+    eng._free_pieces = slow
+    rows = eng.generate(PROMPTS * 3, 24, max_batch=4)
+    for p, r in zip(PROMPTS * 3, rows):
+        assert r.tokens == plain_greedy(model, p, 24), p
+    at4 = [h for h in eng.history if len(h.rows) == 4]
+    assert at4[0].width > 1  # nothing measured yet: the model let the rows draft
+    later = at4[len(at4) // 2:]
+    assert sum(h.width == 1 for h in later) > 0.8 * len(later)
+    assert eng.calibration(4, True) > 3  # 30 ms against a modelled few
