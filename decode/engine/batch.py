@@ -20,8 +20,9 @@ Lengths (``length="cost"``, issue 32 §2): the round's cost is its block's, B ro
 :class:`~decode.core.cost.CostCurve` holds t(n), the seconds of a forward scoring n positions in all, per context
 bucket (on these models a forward's cost follows its total positions: linears multiply B·W rows and attention
 scores B·W queries), refined by every round at whatever B it runs, and seeded by one probe before the first
-choice; c_B(W) = t(B·W) / t(B), so a batch size never seen reads what the others measured (a per-B curve would
-need a probe each time a row finishes and B changes). Each
+choice; c_B(W) = t(B·W) / t(B), so a batch size never seen reads what the others measured (a per-B curve alone
+would need a probe each time a row finishes and B changes); where B itself measured both widths, its own
+t_B(W) / t_B(1) is read instead (the same B·W costs more over more rows, each row's KV read once). Each
 row's chosen arm has an acceptance estimate α (per position; the pool's statistics are shared across rows, so what
 request N learnt steers request N + 1, and a row's own rounds refine its estimate; the shared part is drawn from its
 posterior each round, Thompson sampling, so an arm whose first drafts were unlucky is tried again:
@@ -40,8 +41,10 @@ with a module (an EAGLE head, a drafter, a union holding one), the cost adds tha
 one per draft position, at the seconds the rounds measured), and the module's rows are left out of the round when
 the others' cheap drafts alone expect more per unit of cost. The cost also counts the round's own work per row
 outside the forwards (policies, lookups, verification, commits, compaction), measured apart for rounds that did
-speculative work (drafts, or a full-information policy's counterfactual drafts) and rounds that did none. As B grows
-the block's cost rises with W, and speculation backs off by itself; it returns when the batch shrinks.
+speculative work (drafts, or a full-information policy's counterfactual drafts) and rounds that did none, as a fixed
+part and a part per row. A module's forward is costed at the number of rows drafting with it, and the whole is
+corrected per batch size by what such rounds measured against it (:meth:`BatchEngine.calibration`). As B grows the
+block's cost rises with W, and speculation backs off by itself; it returns when the batch shrinks.
 ``length="fixed"``: every row drafts its arm's L. The schedules production engines use, as baselines:
 ``length="schedule:1-2=4,3-4=2,5-=0"`` (vLLM's ``num_speculative_tokens_per_batch_size``, TensorRT-LLM's
 ``draft_len_schedule``: K from the batch size alone) and ``length="ema:1,2,4"`` (SGLang's ``--speculative-adaptive``
@@ -366,7 +369,8 @@ class BatchEngine:
     state); ``make_policy(K)`` one row's policy over them; ``length``: ``fixed``, ``cost`` (joint K),
     ``schedule:…`` or ``ema:…``;
     ``stock_model``: the target as loaded, when ``model`` runs packed linears (the arms' modules are then packed
-    the same way, the stock target's never); ``seed``: the acceptance estimates' Thompson draws (:class:`Acceptance`)."""
+    the same way, the stock target's never); ``seed``: the acceptance estimates' Thompson draws
+    (:class:`Acceptance`)."""
 
     def __init__(self, model, make_arms: Callable[[], list[Arm]], make_policy: Callable[[int], Policy],
                  verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 32,
@@ -387,7 +391,7 @@ class BatchEngine:
         # dear none was played to correct it
         self.row_overhead: dict[bool, float] = {}
         self._overhead_samples: dict[bool, deque] = {}
-        # speculative? -> (B, seconds) of the last rounds' own work, for its fixed and per-row parts (:meth:`round_work`)
+        # speculative? -> (B, seconds) of the last rounds' own work: its fixed and per-row parts (:meth:`round_work`)
         self._own_work: dict[bool, deque] = {}
         # (B, drafted?) -> realised ÷ modelled seconds of the last rounds of that kind (:meth:`calibration`)
         self._calibration: dict[tuple[int, bool], deque] = {}
@@ -699,7 +703,8 @@ class BatchEngine:
                 mine = [i for i in range(len(r.arms)) if _drafts_with_module(r, i) == modules]
                 alphas.append(max((self.acceptance.alpha(r, i) for i in mine), default=0.0))
                 caps.append(max(0, min(max((r.arms[i].L for i in mine), default=0), r.remaining - 1)))
-            if max(caps) and joint_length(alphas, caps, self._steps(context, sum(map(bool, caps)) if modules else 0)) > 0:
+            steps = self._steps(context, sum(map(bool, caps)) if modules else 0)  # rows drafting with a module
+            if max(caps) and joint_length(alphas, caps, steps) > 0:
                 return False
         return True
 
@@ -732,11 +737,12 @@ class BatchEngine:
         every batch size; 1.0 before that. The model adds up what it measures apart (the block's forward, the modules'
         forwards, a round's own work per row); what escapes it — the block's forward over more rows than the curve
         measured it with, a head's features for the rows, verification row by row — made drafting rounds at B = 16
-        cost ~1.2× their model on the AMX Xeon, and the router drafted there at what the model called break-even and
-        was ~15% slower. Corrected by this ratio, a round's cost is what such rounds cost; unlike a comparison of
-        rounds' goodput (tried and reverted: its record of drafting rounds dated from while acceptance was still being
-        learnt and only refreshed when it let rows draft, so it closed for good), the ratio is a property of the
-        machine and the batch, not of what the arms have learnt."""
+        cost ~1.2× their model on the AMX Xeon (before t_B(W), the modules' cost per rows and :meth:`round_work`), and
+        the router drafted there at what the model called break-even and was ~15% slower. Corrected by this ratio, a
+        round's cost is what such rounds cost; unlike a comparison of rounds' goodput (tried and reverted: its record
+        of drafting rounds dated from while acceptance was still being learnt and only refreshed when it let rows
+        draft, so it closed for good), the ratio is a property of the machine and the batch, not of what the arms
+        have learnt."""
         own = self._calibration.get((B, speculative))
         if own is not None and len(own) >= CALIBRATION_LEAST:
             return statistics.median(own)
@@ -744,10 +750,11 @@ class BatchEngine:
         return statistics.median(pooled) if len(pooled) >= CALIBRATION_LEAST else 1.0
 
     def modelled_steps(self, context: int, modules: int) -> Callable[[int], float]:
-        """The modelled cost of a round whose block is w positions per row, in one-position forwards of the batch: the block's
-        c_B(w), plus, when ``modules`` rows draft with a module (an EAGLE head, a drafter), the module's w forwards (a
-        catch-up and w - 1 draft steps) at their measured seconds for that many rows (:meth:`module_seconds_at`): at large B a head's steps cost as much as the
-        block's extra positions, and a length that ignored them speculated at a loss. Plus the round's own work
+        """The modelled cost of a round whose block is w positions per row, in one-position forwards of the batch:
+        the block's c_B(w), plus, when ``modules`` rows draft with a module (an EAGLE head, a drafter), the module's w
+        forwards (a catch-up and w - 1 draft steps) at their measured seconds for that many rows
+        (:meth:`module_seconds_at`): at large B a head's steps cost as much as the block's extra positions, and a
+        length that ignored them speculated at a loss. Plus the round's own work
         (:meth:`round_work`: a speculative round's when w > 1, a plain round's else), which at B = 16 on the EPYC was
         1.7 ms a row in speculative rounds against 0.45 ms in plain ones, a third of a forward."""
         B = len(self.rows)
@@ -764,9 +771,9 @@ class BatchEngine:
     def module_seconds_at(self, rows: int) -> float | None:
         """Seconds of a module forward with ``rows`` rows drafting: measured at that many rows, else at the nearest
         count measured (None before any)."""
-        if rows in self.module_seconds:
-            return self.module_seconds[rows]
-        return self.module_seconds[min(self.module_seconds, key=lambda n: (abs(n - rows), n))] if self.module_seconds else None
+        if not self.module_seconds:
+            return None
+        return self.module_seconds[min(self.module_seconds, key=lambda n: (abs(n - rows), n))]
 
     def _one_seconds(self, B: int, context: int) -> float | None:
         """Seconds of a one-position forward of B rows near ``context``: this batch size's own t_B(1) where measured,
