@@ -373,8 +373,7 @@ def test_a_rounds_own_work_has_a_fixed_part_and_a_part_per_row(model):
     rows sharing the fixed part, no longer says what 16 rows cost); one batch size measured: per row × B."""
     eng = _engine(model, pool=["none"], policy="fixed:arm=0", length="cost")
     assert eng.round_work(16, False) is None and eng.overhead_steps(16, 1, 0.1) == 0.0
-    eng._own_work[False] = deque([(2, 0.0031), (2, 0.0029), (2, 0.0030)])
-    eng.row_overhead[False] = 0.0015
+    eng._own_work[False] = deque([(2, 0.0031), (2, 0.0029), (2, 0.0030)])  # 1.5 ms a row
     assert eng.round_work(16, False) == pytest.approx(16 * 0.0015)
     eng._own_work[False].extend([(4, 0.004), (8, 0.006), (8, 0.0061), (8, 0.0059), (1, 0.0025)])
     assert eng.round_work(16, False) == pytest.approx(0.002 + 0.0005 * 16)  # 2 ms a round, 0.5 ms a row

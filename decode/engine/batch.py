@@ -381,17 +381,14 @@ class BatchEngine:
         # rounds that drafted with one, per number of rows that drafted with one: what a module's chain costs beside
         # the block (length=cost, :meth:`_steps`). Per rows: one figure for all read 6.7 ms where 16 rows took 10
         self.module_seconds: dict[int, float] = {}
-        # seconds per row of a round outside its block's forward, the probe and the modules' drafting (policies,
-        # lookups, verification, commits), the median of the last OVERHEAD_WINDOW rounds, apart for rounds that did
-        # speculative work (True: some row drafted, or a full-information policy's rows drafted counterfactually) and
-        # rounds that did none (False): at large B a speculative round's own work per row is a fair share of a
-        # forward, and a length blind to it speculated at a loss (length=cost, :meth:`_steps`). The cache's one-off
-        # work (its capacity doubling, rows leaving, compaction) is left out, and a median, not a mean: one such
-        # copy (~100 ms at 16 rows) once raised a plain round's figure sixfold, and with plain rounds then looking
-        # dear none was played to correct it
-        self.row_overhead: dict[bool, float] = {}
-        self._overhead_samples: dict[bool, deque] = {}
-        # speculative? -> (B, seconds) of the last rounds' own work: its fixed and per-row parts (:meth:`round_work`)
+        # (B, seconds) of the last rounds' own work outside the block's forward, the probe and the modules' drafting
+        # (policies, lookups, verification, commits), apart for rounds that did speculative work (True: some row
+        # drafted, or a full-information policy's rows drafted counterfactually) and rounds that did none (False): at
+        # large B a speculative round's own work is a fair share of a forward, and a length blind to it speculated at
+        # a loss (length=cost, :meth:`round_work`, :attr:`row_overhead`). The cache's one-off work (its capacity
+        # doubling, rows leaving, compaction) is left out, and medians are read, not means: one such copy (~100 ms at
+        # 16 rows) once raised a plain round's figure sixfold, and with plain rounds then looking dear none was played
+        # to correct it
         self._own_work: dict[bool, deque] = {}
         # (B, drafted?) -> realised ÷ modelled seconds of the last rounds of that kind (:meth:`calibration`)
         self._calibration: dict[tuple[int, bool], deque] = {}
@@ -674,10 +671,6 @@ class BatchEngine:
             own_work, self._deferred = own_work + self._deferred, 0.0
         else:
             own_work, self._deferred = own_work - deferred, self._deferred + deferred
-        per_row = max(0.0, own_work) / B
-        samples = self._overhead_samples.setdefault(spec, deque(maxlen=OVERHEAD_WINDOW))
-        samples.append(per_row)
-        self.row_overhead[spec] = statistics.median(samples)
         self._own_work.setdefault(spec, deque(maxlen=WORK_WINDOW)).append((B, max(0.0, own_work)))
         # the model's error at this B: rounds that drafted, and rounds with no speculative work at all (a round that
         # only made counterfactual drafts is neither: its cost was decided when the round was let speculate)
@@ -761,8 +754,10 @@ class BatchEngine:
         one = self._one_seconds(B, context)
         module = self.module_seconds_at(modules) if modules else None
 
+        work = {w > 1: self.overhead_steps(B, w, one) for w in (1, 2)}  # a plain round's, a drafting round's
+
         def steps(w: int) -> float:
-            total = self.block_steps(B, w, context) + self.overhead_steps(B, w, one)
+            total = self.block_steps(B, w, context) + work[w > 1]
             if module and w > 1 and one:
                 total += module * w / one
             return total
@@ -789,6 +784,13 @@ class BatchEngine:
         plain = self.round_work(B, False)
         work = (self.round_work(B, True) or plain) if w > 1 else plain
         return work / one if work is not None and one else 0.0
+
+    @property
+    def row_overhead(self) -> dict[bool, float]:
+        """Seconds of a round's own work per row, per kind (speculative or not): the median over the last
+        OVERHEAD_WINDOW such rounds."""
+        return {spec: statistics.median(s / b for b, s in list(d)[-OVERHEAD_WINDOW:])
+                for spec, d in self._own_work.items() if d}
 
     def round_work(self, B: int, speculative: bool) -> float | None:
         """Seconds of a round's own work at B rows: a + b·B, fitted (least squares, a and b ≥ 0) to the median own
