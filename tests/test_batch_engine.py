@@ -226,6 +226,20 @@ def test_joint_length_backs_off_when_the_block_gets_expensive():
     assert joint_length([0.6, 0.6], [0, 0], flat) == 0  # nothing to draft (the none arm, or no budget left)
 
 
+def test_a_unions_tree_is_counted_by_the_depth_its_first_K_nodes_reach():
+    """A union's chains merged and cut to K nodes breadth-first reach less deep than a chain of K: the joint length
+    counts that depth (two chains diverging at the root: one node per chain on each level)."""
+    from decode.engine.batch import joint_length, tree_depth
+
+    assert [tree_depth(K, 3) for K in range(5)] == [0, 1, 2, 3, 3]  # a chain
+    assert [tree_depth(K, (2, 4)) for K in range(8)] == [0, 1, 1, 2, 2, 3, 4, 4]  # levels of 2, 2, 1, 1 nodes
+    assert tree_depth(3, (3, 0)) == 3  # a part that drafted nothing adds no node
+    flat = lambda n: 1.0 + 0.05 * (n - 1)  # noqa: E731
+    assert joint_length([0.6], [2], flat) == 2
+    # two one-token chains: a second position buys a sibling, no depth, so it is not worth its cost
+    assert joint_length([0.6], [(1, 1)], flat) == 1
+
+
 @pytest.mark.parametrize("max_batch", [None, 2])
 def test_cost_lengths_stay_lossless_and_learn_shared_acceptance(model, max_batch):
     eng = _engine(model, pool=["none", "pld:L=4", "suffix:L=4"], policy="ucbspec", length="cost")

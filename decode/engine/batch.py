@@ -65,10 +65,11 @@ an EAGLE head reads the target's features, which this engine's forwards then ret
 merges the row's chains into its tree (``UnionArm.combine``, as the serial union does); a tree row's block is its
 nodes, each at its depth's position and seeing only the last token, its ancestors and itself (an ancestor mask in
 the block part of the row's attention mask), and the row keeps the slots of its accepted root path (rollback is a
-per-row mask, so any slots can be kept). With ``length="cost"`` a union counts as a chain of its cap when K is
-chosen and its tree is then cut to its first K nodes breadth-first (the block's K positions), an optimistic
-estimate of what it buys (a tree's depth at K nodes is at most K). Arms that draft serially only (EAGLE trees, K
-sampled chains) are refused with a clear error (:func:`check_batchable`).
+per-row mask, so any slots can be kept). With ``length="cost"`` a union's tree is cut to its first K nodes
+breadth-first (the block's K positions), and K is chosen on the depth those nodes reach (:func:`tree_depth`: its
+chains' lengths, the depth they reach when no two share a node), since its acceptance is learnt per level of
+its trees. Arms that draft serially only (EAGLE trees, K sampled chains) are refused with a clear error
+(:func:`check_batchable`).
 """
 from __future__ import annotations
 
@@ -341,22 +342,58 @@ def _needs_hidden(row: Row) -> bool:
     return any(d.needs_hidden for d in row.drafters.values())
 
 
+def _draft_lengths(arm: Arm, cap: int, pieces: list[Draft | None] | None = None) -> Lengths:
+    """What the row's arm drafts up to ``cap`` tokens, for the joint length: a chain's length (its cap, or the
+    length of a model-free draft already made), a union's per part (a tuple: :func:`tree_depth`); ``pieces``: the
+    parts' drafts where made (None for a part a module drafts later)."""
+    if not cap:
+        return 0
+    pieces = pieces or [None] * len(arm.parts)
+    lengths = tuple(min(part.L, cap) if p is None else len(p) for p, part in zip(pieces, arm.parts))
+    return lengths[0] if len(lengths) == 1 else lengths
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """1 + α + … + α^k: a chain of k drafts whose positions each survive with probability α, plus the bonus."""
     return float(sum(alpha ** i for i in range(k + 1)))
 
 
-def joint_length(alphas: list[float], caps: list[int], cost: Callable[[int], float]) -> int:
+Lengths = int | tuple[int, ...]  # a row's draft: a chain of n tokens, or the lengths of the chains a union merges
+
+
+def tree_depth(K: int, lengths: Lengths) -> int:
+    """How deep a row's draft cut to its first K positions reaches: a chain of n tokens, min(K, n); chains merged
+    into one tree (a union's parts) and cut to K nodes breadth-first, the depth they reach when no two chains share
+    a node (level j then holds one node per chain longer than j - 1), the least they reach. Counted as a chain of K,
+    two chains of 2 and 4 tokens cut to 4 nodes were modelled 4 deep where they reach 2, and at B = 2 the joint
+    length drafted such rounds at a loss."""
+    if isinstance(lengths, int):
+        return min(K, lengths)
+    depth, left = 0, K
+    while left > 0:
+        level = sum(1 for n in lengths if n > depth)
+        if not level:
+            break
+        depth, left = depth + 1, left - level
+    return depth
+
+
+def _widest(lengths: Lengths) -> int:
+    return lengths if isinstance(lengths, int) else max(lengths, default=0)
+
+
+def joint_length(alphas: list[float], caps: list[Lengths], cost: Callable[[int], float]) -> int:
     """The draft length K every row drafts (up to its cap) that maximises the batch's expected tokens per unit of
-    cost: argmax_K Σ_r E(α_r, min(K, cap_r)) / cost(1 + K); the shortest K among ties."""
+    cost: argmax_K Σ_r E(α_r, depth_r(K)) / cost(1 + K), depth_r(K) = :func:`tree_depth` (a chain's min(K, cap_r));
+    the shortest K among ties."""
     return best_length(alphas, caps, cost)[0]
 
 
-def best_length(alphas: list[float], caps: list[int], cost: Callable[[int], float]) -> tuple[int, float]:
+def best_length(alphas: list[float], caps: list[Lengths], cost: Callable[[int], float]) -> tuple[int, float]:
     """:func:`joint_length`'s K and the expected tokens per unit of cost it gives."""
     best, best_value = 0, -1.0
-    for K in range(max(caps, default=0) + 1):
-        value = sum(expected_tokens(a, min(K, c)) for a, c in zip(alphas, caps)) / cost(1 + K)
+    for K in range(max(map(_widest, caps), default=0) + 1):
+        value = sum(expected_tokens(a, tree_depth(K, c)) for a, c in zip(alphas, caps)) / cost(1 + K)
         if value > best_value * (1 + 1e-9):
             best, best_value = K, value
     return best, best_value
@@ -556,7 +593,7 @@ class BatchEngine:
         if self.length == "cost" and max(caps) and any(p is None or len(p) for ps in pieces for p in ps):
             # K is chosen jointly on the lengths the rows would draft (a union's: its cap), then every draft is cut
             # to K positions (a tree to its first K nodes, breadth-first)
-            would = [c if len(ps) != 1 or ps[0] is None else len(ps[0]) for ps, c in zip(pieces, caps)]
+            would = [_draft_lengths(r.arms[i], c, ps) for r, i, ps, c in zip(self.rows, picks, pieces, caps)]
             cut = joint_length(alphas, would, steps)
             pieces = [[p if p is None or len(p) <= cut else _prefix(p, cut) for p in ps] for ps in pieces]
             caps = [min(c, cut) for c in caps]
@@ -708,12 +745,13 @@ class BatchEngine:
         expects more tokens per unit of cost; the other rows' cheap drafts stay possible either way."""
         modules = [_drafts_with_module(r, i) for r, i in zip(self.rows, picks)]
         steps = self._steps(context, sum(bool(m and c) for m, c in zip(modules, caps)))
-        K, value = best_length(alphas, caps, steps)
+        shapes = [_draft_lengths(r.arms[i], c) for r, i, c in zip(self.rows, picks, caps)]
+        K, value = best_length(alphas, shapes, steps)
         if not any(m and c for m, c in zip(modules, caps)):
             return caps, steps, K
         without = [0 if m else c for m, c in zip(modules, caps)]
         plain = self._steps(context, 0)
-        K_without, value_without = best_length(alphas, without, plain)
+        K_without, value_without = best_length(alphas, [0 if m else s for m, s in zip(modules, shapes)], plain)
         return (without, plain, K_without) if value_without >= value else (caps, steps, K)
 
     def _steps(self, context: int, modules: int) -> Callable[[int], float]:
