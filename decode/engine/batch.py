@@ -429,6 +429,9 @@ class BatchEngine:
         self._own_work: dict[bool, deque] = {}
         # (B, drafted?) -> realised ÷ modelled seconds of the last rounds of that kind (:meth:`calibration`)
         self._calibration: dict[tuple[int, bool], deque] = {}
+        # within a round, what round_work and calibration answered (the rounds' records change once a round, after
+        # the choices; a round's choices ask each a dozen times: the fit alone was ~1% of a round at B = 2)
+        self._round_memo: dict | None = None
         self._housekeeping = 0.0  # seconds of the current round spent on the cache's one-off work
         # seconds plain rounds spent settling the counterfactual drafts of earlier speculative rounds (a router's):
         # counted in the next speculative round's own work, not in theirs (plain rounds that followed speculative
@@ -554,6 +557,7 @@ class BatchEngine:
         if not self.rows:
             return []
         t0 = time.perf_counter()
+        self._round_memo = {}
         probe = module_time = self._housekeeping = 0.0
         self.acceptance.new_round()
         context = max(len(r.ctx) for r in self.rows)
@@ -708,6 +712,7 @@ class BatchEngine:
             own_work, self._deferred = own_work + self._deferred, 0.0
         else:
             own_work, self._deferred = own_work - deferred, self._deferred + deferred
+        self._round_memo = None  # the records change now
         self._own_work.setdefault(spec, deque(maxlen=WORK_WINDOW)).append((B, max(0.0, own_work)))
         # the model's error at this B: rounds that drafted, and rounds with no speculative work at all (a round that
         # only made counterfactual drafts is neither: its cost was decided when the round was let speculate)
@@ -774,6 +779,18 @@ class BatchEngine:
         of drafting rounds dated from while acceptance was still being learnt and only refreshed when it let rows
         draft, so it closed for good), the ratio is a property of the machine and the batch, not of what the arms
         have learnt."""
+        return self._memoised(("calibration", B, speculative), lambda: self._calibration_ratio(B, speculative))
+
+    def _memoised(self, key: tuple, compute: Callable[[], object]):
+        """``compute()``, answered once per round while a round is choosing (outside a round: every time)."""
+        memo = self._round_memo
+        if memo is None:
+            return compute()
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
+
+    def _calibration_ratio(self, B: int, speculative: bool) -> float:
         own = self._calibration.get((B, speculative))
         if own is not None and len(own) >= CALIBRATION_LEAST:
             return statistics.median(own)
@@ -836,6 +853,9 @@ class BatchEngine:
         median per row × B (``row_overhead``); None before any. A figure per row alone, measured mostly in a batch's
         tail where few rows share a round's fixed work, charged 16 rows 0.95 ms each where such rounds did 0.45 on
         the AMX Xeon, and plain rounds looked dearer than drafting ones."""
+        return self._memoised(("work", B, speculative), lambda: self._fit_round_work(B, speculative))
+
+    def _fit_round_work(self, B: int, speculative: bool) -> float | None:
         samples = self._own_work.get(speculative)
         if not samples:
             return None
