@@ -342,6 +342,9 @@ def _needs_hidden(row: Row) -> bool:
     return any(d.needs_hidden for d in row.drafters.values())
 
 
+Lengths = int | tuple[int, ...]  # a row's draft: a chain of n tokens, or the lengths of the chains a union merges
+
+
 def _draft_lengths(arm: Arm, cap: int, pieces: list[Draft | None] | None = None) -> Lengths:
     """What the row's arm drafts up to ``cap`` tokens, for the joint length: a chain's length (its cap, or the
     length of a model-free draft already made), a union's per part (a tuple: :func:`tree_depth`); ``pieces``: the
@@ -358,15 +361,12 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(sum(alpha ** i for i in range(k + 1)))
 
 
-Lengths = int | tuple[int, ...]  # a row's draft: a chain of n tokens, or the lengths of the chains a union merges
-
-
 def tree_depth(K: int, lengths: Lengths) -> int:
     """How deep a row's draft cut to its first K positions reaches: a chain of n tokens, min(K, n); chains merged
     into one tree (a union's parts) and cut to K nodes breadth-first, the depth they reach when no two chains share
-    a node (level j then holds one node per chain longer than j - 1), the least they reach. Counted as a chain of K,
-    two chains of 2 and 4 tokens cut to 4 nodes were modelled 4 deep where they reach 2, and at B = 2 the joint
-    length drafted such rounds at a loss."""
+    a node (level j then holds one node per chain longer than j - 1), the least they reach. Counted as a chain of K
+    (before), two chains of 2 and 4 tokens cut to 4 nodes were modelled 4 deep where they reach 2: the joint length
+    overrated what a union's positions buy."""
     if isinstance(lengths, int):
         return min(K, lengths)
     depth, left = 0, K
@@ -595,7 +595,7 @@ class BatchEngine:
         pieces = [self._free_pieces(r, i, c) for r, i, c in zip(self.rows, picks, caps)]
         cut = None  # the jointly chosen number of draft positions per row (length=cost)
         if self.length == "cost" and max(caps) and any(p is None or len(p) for ps in pieces for p in ps):
-            # K is chosen jointly on the lengths the rows would draft (a union's: its cap), then every draft is cut
+            # K is chosen jointly on the lengths the rows would draft (a union's per chain), then every draft is cut
             # to K positions (a tree to its first K nodes, breadth-first)
             would = [_draft_lengths(r.arms[i], c, ps) for r, i, ps, c in zip(self.rows, picks, pieces, caps)]
             cut = joint_length(alphas, would, steps)
@@ -712,7 +712,7 @@ class BatchEngine:
             own_work, self._deferred = own_work + self._deferred, 0.0
         else:
             own_work, self._deferred = own_work - deferred, self._deferred + deferred
-        self._round_memo = None  # the records change now
+        self._round_memo = None  # the records change now (and a round left by an error starts a new memo)
         self._own_work.setdefault(spec, deque(maxlen=WORK_WINDOW)).append((B, max(0.0, own_work)))
         # the model's error at this B: rounds that drafted, and rounds with no speculative work at all (a round that
         # only made counterfactual drafts is neither: its cost was decided when the round was let speculate)
