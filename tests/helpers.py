@@ -1,6 +1,7 @@
 """Tiny randomly initialised models and a tokenizer stand-in for fast CPU tests."""
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -74,3 +75,11 @@ def save_tiny_target(folder, tokenizer_source: str, layers: int = 2, seed: int =
     m.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(autouse=True)
+def model_costs_only(monkeypatch):
+    """A batched round's cost as the engine's model says, with no correction from wall-clock rounds (on a tiny model
+    mostly noise): for tests that pin or check the model itself (tests/test_cost_calibration.py tests the
+    correction). Autouse wherever a test module imports it: ``from helpers import model_costs_only  # noqa: F401``."""
+    monkeypatch.setattr("decode.engine.batch.BatchEngine.calibration", lambda self, B, speculative: 1.0)

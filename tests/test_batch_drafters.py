@@ -19,18 +19,12 @@ from decode.core.sampling import SamplingConfig
 from decode.core.vocab import DraftVocab
 from decode.core.verify import Verifier
 from decode.engine.batch import BatchEngine, check_batch_arm_specs, check_batchable
+from helpers import model_costs_only  # noqa: F401  (autouse)
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 GREEDY = SamplingConfig()
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [5], [3, 3, 8, 3, 3, 8, 3, 3, 8, 3],
            [12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40], [2, 4]]
-
-
-@pytest.fixture(autouse=True)
-def _model_costs(monkeypatch):
-    """A round's cost as the model says (no correction from wall-clock rounds, on a tiny model mostly noise): the
-    tests here pin or check the model itself (tests/test_cost_calibration.py tests the correction)."""
-    monkeypatch.setattr(BatchEngine, "calibration", lambda self, B, speculative: 1.0)
 
 
 @pytest.fixture(scope="module")

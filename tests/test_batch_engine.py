@@ -13,6 +13,7 @@ from decode.common.errors import UserError
 from decode.core.sampling import SamplingConfig
 from decode.core.verify import Verifier
 from decode.engine.batch import Acceptance, BatchEngine, RowCache, fill_holes
+from helpers import model_costs_only  # noqa: F401  (autouse)
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
 GREEDY = SamplingConfig()
@@ -20,13 +21,6 @@ POOL = ["none", "pld:L=3", "suffix:L=4", "pld:L=1"]
 # repetitive prompts (lookup arms find matches, so drafts get accepted and rejected), one of length 1
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [5], [3, 3, 8, 3, 3, 8, 3, 3, 8, 3],
            [12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40, 7, 12, 40], [2, 4]]
-
-
-@pytest.fixture(autouse=True)
-def _model_costs(monkeypatch):
-    """A round's cost as the model says (no correction from wall-clock rounds, on a tiny model mostly noise): the
-    tests here pin or check the model itself (tests/test_cost_calibration.py tests the correction)."""
-    monkeypatch.setattr(BatchEngine, "calibration", lambda self, B, speculative: 1.0)
 
 
 def _engine(model, pool=POOL, policy="random", sampling=GREEDY, eos=(), seed=0, **kw):

@@ -866,13 +866,11 @@ class BatchEngine:
             return B * self.row_overhead[speculative]
         xs = list(by)
         ys = [statistics.median(by[b]) for b in xs]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        slope, a = statistics.linear_regression(xs, ys)
         if slope < 0:  # more rows never cost less: a flat round cost
-            return my
-        a = my - slope * mx
+            return statistics.fmean(ys)
         if a < 0:  # through the origin: per row only
-            return B * sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+            return B * statistics.linear_regression(xs, ys, proportional=True).slope
         return a + slope * B
 
     def _observe_cost(self, B: int, W: int, context: int, seconds: float) -> None:
