@@ -26,9 +26,9 @@ t_B(W) / t_B(1) is read instead (the same B·W costs more over more rows, each r
 row's chosen arm has an acceptance estimate α (per position; the pool's statistics are shared across rows, so what
 request N learnt steers request N + 1, and a row's own rounds refine its estimate; the shared part is drawn from its
 posterior each round, Thompson sampling, so an arm whose first drafts were unlucky is tried again:
-:class:`Acceptance`). Before any row chooses, the
-round is made plain when no K could pay even if every row played its most accepted arm at its longest cap: then no
-row drafts, no policy chooses or learns (no arm is played), and a full-information policy (the router) gets no
+:class:`Acceptance`). Before any row chooses, the round is made plain when no K could pay even if every row played
+its most accepted arm at its longest cap (a lookup's: the draft it finds now), counting the lookups a
+full-information policy's rows would then make for it: then no row drafts, no policy chooses or learns (no arm is played), and a full-information policy (the router) gets no
 counterfactual drafts that round (every row's lookups for it would be pure loss; the rounds queued before still
 settle, and that settling counts as speculative work). A row whose arm could draft but to which the joint length
 gave nothing does not teach its policy either. First the choice is made on
@@ -40,9 +40,10 @@ E(k) = 1 + α + … + α^k (the expected tokens of a chain whose positions each 
 with a module (an EAGLE head, a drafter, a union holding one), the cost adds that module's forwards (a catch-up and
 one per draft position, at the seconds the rounds measured), and the module's rows are left out of the round when
 the others' cheap drafts alone expect more per unit of cost. The cost also counts the round's own work per row
-outside the forwards (policies, lookups, verification, commits, compaction), measured apart for rounds that did
-speculative work (drafts, or a full-information policy's counterfactual drafts) and rounds that did none, as a fixed
-part and a part per row. A module's forward is costed at the number of rows drafting with it, and the whole is
+outside the forwards (policies, lookups, verification, commits, compaction), measured apart for rounds in which rows
+drafted and rounds in which none did, as a fixed part and a part per row; a full-information policy's counterfactual
+drafts and their scoring are measured apart again, per row, and charged to speculation only where the gate would
+let the rows make them. A module's forward is costed at the number of rows drafting with it, and the whole is
 corrected per batch size by what such rounds measured against it (:meth:`BatchEngine.calibration`). As B grows the
 block's cost rises with W, and speculation backs off by itself; it returns when the batch shrinks.
 ``length="fixed"``: every row drafts its arm's L. The schedules production engines use, as baselines:
@@ -419,8 +420,8 @@ class BatchEngine:
         # the block (length=cost, :meth:`_steps`). Per rows: one figure for all read 6.7 ms where 16 rows took 10
         self.module_seconds: dict[int, float] = {}
         # (B, seconds) of the last rounds' own work outside the block's forward, the probe and the modules' drafting
-        # (policies, lookups, verification, commits), apart for rounds that did speculative work (True: some row
-        # drafted, or a full-information policy's rows drafted counterfactually) and rounds that did none (False): at
+        # (policies, lookups, verification, commits; not a full-information policy's feedback: ``_counterfactual``),
+        # apart for rounds in which some row drafted (True) and rounds in which none did (False): at
         # large B a speculative round's own work is a fair share of a forward, and a length blind to it speculated at
         # a loss (length=cost, :meth:`round_work`, :attr:`row_overhead`). The cache's one-off work (its capacity
         # doubling, rows leaving, compaction) is left out, and medians are read, not means: one such copy (~100 ms at
@@ -433,10 +434,14 @@ class BatchEngine:
         # the choices; a round's choices ask each a dozen times: the fit alone was ~1% of a round at B = 2)
         self._round_memo: dict | None = None
         self._housekeeping = 0.0  # seconds of the current round spent on the cache's one-off work
-        # seconds plain rounds spent settling the counterfactual drafts of earlier speculative rounds (a router's):
-        # counted in the next speculative round's own work, not in theirs (plain rounds that followed speculative
-        # ones read 1 ms a row at 16 rows for it, and so looked dear beside a block of two positions)
-        self._deferred = 0.0
+        # (rows that drafted counterfactually, seconds) per round of a full-information policy's feedback: its
+        # counterfactual drafts and their scoring, and the settling of earlier rounds' (a router's). Not a round's
+        # own work of either kind: a round that drafted nothing after its rows' lookups for the router is a plain
+        # round plus these, and counting it as speculative left plain rounds at B = 16 unmeasured (the router's
+        # gate never closed there), so the model read their cost from other batch sizes, 5-7% too dear, and drafted
+        # at a loss; settling, counted in plain rounds, read 1 ms a row at 16 rows. Charged apart where it is still
+        # to be paid: when the gate lets the rows look up (:meth:`counterfactual_seconds`, :meth:`_nothing_pays`)
+        self._counterfactual: deque = deque(maxlen=WORK_WINDOW)
         # t(n): seconds of a forward scoring n positions in all (B rows × W), per context bucket, learnt by every
         # round of the engine (a server's, an evaluation method's across its segments). c_B(W) = t(B·W) / t(B)
         # (:meth:`block_steps`)
@@ -563,13 +568,16 @@ class BatchEngine:
         context = max(len(r.ctx) for r in self.rows)
         plain = self.length == "cost" and self._nothing_pays(context)
         seen: dict[int, tuple] = {}  # row id -> its counterfactual drafts, their times and the features shown
+        feedback = 0.0  # seconds of the full-information feedback's work (``_counterfactual``)
         picks = []
         for r in self.rows:
             if plain:  # no row may draft, so no arm is chosen (the round's record names the row's last arm)
                 picks.append(r.rounds[-1].arm if r.rounds else 0)
                 continue
             if r.pending is not None:  # every scorable arm proposes from its prefix (the router reads it)
+                tf = time.perf_counter()
                 seen[r.rid] = r.scorer.before_round(r.policy, r.ctx, r.remaining)
+                feedback += time.perf_counter() - tf
             picks.append(r.policy.select())
         own = [max(0, min(r.arms[i].L, r.remaining - 1)) for r, i in zip(self.rows, picks)]  # the arms' own caps
         caps = [0] * len(own) if plain else list(own)
@@ -590,6 +598,7 @@ class BatchEngine:
             # is spent on a round that verifies one position per row
             if K == 0:
                 caps = [0] * len(caps)
+        spec = max(caps, default=0) > 0  # some row drafts (a lookup may find nothing): a speculative round's work
         # model-free parts draft first (cheap, and what they find decides their length: a lookup with no match
         # drafts nothing, however long its L); a module's chain always drafts its cap, so it drafts after K is known
         pieces = [self._free_pieces(r, i, c) for r, i, c in zip(self.rows, picks, caps)]
@@ -644,7 +653,6 @@ class BatchEngine:
         step = self._one_step_seconds(B, context, seconds / W)
         # each EAGLE head's rows of the target's hidden states, read out once for the batch
         feats = {id(d): d.features(hidden) for d in self.drafters.values() if d.needs_hidden and hidden is not None}
-        deferred = 0.0  # seconds settling earlier rounds' counterfactual drafts: speculative work, paid late
         # rows that drafted nothing under greedy decoding: their next tokens in one argmax (what verify returns)
         bare = [b for b, (r, d) in enumerate(zip(self.rows, drafts)) if not len(d) and r.verifier.cfg.greedy]
         nxt = dict(zip(bare, greedy_next(logits[bare, 0]))) if bare else {}
@@ -686,13 +694,13 @@ class BatchEngine:
             # features were shown last) taught the policy that every arm it picked in plain rounds yields 1 token
             if not (plain or (own[b] and not caps[b])):
                 r.policy.update(i, rec)
+            tf = time.perf_counter()
             if r.rid in seen:
                 r.scorer.after_round(r.policy, rec, seen[r.rid], getattr(r.arms[i], "last_match", 0), r.pending,
                                      r.rounds, r.tokens, remaining, finished=r.done)
             elif r.pending is not None:  # no counterfactual drafts this round: only the earlier rounds settle
-                ts = time.perf_counter()
                 r.scorer.settle(r.policy, r.pending, r.rounds, r.tokens, finished=r.done)
-                deferred += time.perf_counter() - ts
+            feedback += time.perf_counter() - tf
             self.acceptance.observe(r, i, draft_depth(d), outcome.accepted)
             if len(d):
                 a_ = float(rec.accepted)
@@ -706,42 +714,63 @@ class BatchEngine:
         for r in finished:
             r.finished = t2
         self.cache.tidy(self.compact_slack)  # padding and rejected drafts piled up: attend over what is valid only
-        spec = bool(seen) or any(len(d) for d in drafts)  # speculative work was done: drafts, or counterfactual ones
-        own_work = t2 - t0 - probe - seconds - module_time - self._housekeeping
-        if spec:  # with the settling that plain rounds did since for earlier speculative ones
-            own_work, self._deferred = own_work + self._deferred, 0.0
-        else:
-            own_work, self._deferred = own_work - deferred, self._deferred + deferred
+        own_work = t2 - t0 - probe - seconds - module_time - self._housekeeping - feedback
         self._round_memo = None  # the records change now (and a round left by an error starts a new memo)
         self._own_work.setdefault(spec, deque(maxlen=WORK_WINDOW)).append((B, max(0.0, own_work)))
-        # the model's error at this B: rounds that drafted, and rounds with no speculative work at all (a round that
-        # only made counterfactual drafts is neither: its cost was decided when the round was let speculate)
+        if seen or feedback:
+            self._counterfactual.append((len(seen), feedback))
+        # the model's error at this B: rounds that drafted, and rounds that did not (a round whose lookups all found
+        # nothing is neither: it did a speculative round's work for a plain round's block)
         if modelled and (W > 1 or not spec):
-            real = t2 - t0 - probe - self._housekeeping - (0.0 if spec else deferred)
+            real = t2 - t0 - probe - self._housekeeping - feedback
             self._calibration.setdefault((B, W > 1), deque(maxlen=CALIBRATION_WINDOW)).append(real / modelled)
         return finished
 
     def _nothing_pays(self, context: int) -> bool:
         """Before any row chooses (length=cost): whether no draft could pay for this batch even if every row played
-        its most accepted arm at its longest cap (or no row has room for one); arms that draft with a module are
-        weighed with their module's forwards (:meth:`_steps`), model-free ones without. Then the round is a plain
-        step: no row drafts and no counterfactual draft is made for a full-information policy (at large B most rounds
-        are such, and every row's lookups for the router were pure loss). Needs a measured curve (two sizes); until
-        then the round goes on as usual."""
+        its most accepted arm at its longest cap (a lookup's: what it finds now; or no row has room for one); arms
+        that draft with a module are weighed with their module's forwards (:meth:`_steps`), model-free ones without,
+        and both with the counterfactual drafts a full-information policy's rows would make if let
+        (:meth:`counterfactual_seconds`). Then the round is a plain step: no row drafts and no counterfactual draft is
+        made for a full-information policy (at large B most rounds are such, and every row's lookups for the router
+        were pure loss). Needs a measured curve (two sizes); until then the round goes on as usual."""
         if all(r.remaining <= 1 for r in self.rows):  # no row has room for a draft (each has one token left)
             return True
         if len(self.cost.sizes()) < 2:
             return False
+        scoring = sum(r.pending is not None for r in self.rows)  # rows whose lookups for the router it would cost
         for modules in (False, True):  # the arms that draft with a module pay its forwards too (:meth:`_steps`)
-            alphas, caps = [], []
-            for r in self.rows:
-                mine = [i for i in range(len(r.arms)) if _drafts_with_module(r, i) == modules]
-                alphas.append(max((self.acceptance.alpha(r, i) for i in mine), default=0.0))
-                caps.append(max(0, min(max((r.arms[i].L for i in mine), default=0), r.remaining - 1)))
-            steps = self._steps(context, sum(map(bool, caps)) if modules else 0)  # rows drafting with a module
+            alphas, caps = self._best_case(modules)
+            drafting = sum(map(bool, caps)) if modules else 0  # rows drafting with a module
+            steps = self._steps(context, drafting, counterfactual=scoring)
             if max(caps) and joint_length(alphas, caps, steps) > 0:
-                return False
+                if modules:
+                    return False
+                # a lookup drafts only where it finds a match: at their L, lookups that find nothing in most rows
+                # (α per drafted position ~0.8 at B = 16) kept the gate open in nearly every round there, and each
+                # such round paid its rows' choices and lookups for K = 0. What the rows' lookups find now decides
+                alphas, caps = self._best_case(modules, looked_up=True)
+                if max(caps) and joint_length(alphas, caps, steps) > 0:
+                    return False
         return True
+
+    def _best_case(self, modules: bool, looked_up: bool = False) -> tuple[list[float], list[int]]:
+        """Per row, over its arms that draft with a module (``modules``) or without: the highest acceptance estimate
+        and the longest draft (each arm's L, room permitting; with ``looked_up``, what each model-free arm drafts
+        from the row's context now), of the arms that would draft at all."""
+        alphas, caps = [], []
+        for r in self.rows:
+            reach = {}
+            for i, arm in enumerate(r.arms):
+                if _drafts_with_module(r, i) != modules:
+                    continue
+                cap = max(0, min(arm.L, r.remaining - 1))
+                if looked_up and cap:
+                    cap = _widest(_draft_lengths(arm, cap, self._free_pieces(r, i, cap)))
+                reach[i] = cap
+            alphas.append(max((self.acceptance.alpha(r, i) for i, c in reach.items() if c), default=0.0))
+            caps.append(max(reach.values(), default=0))
+        return alphas, caps
 
     def _module_rows_draft(self, alphas: list[float], caps: list[int], picks: list[int],
                            context: int) -> tuple[list[int], Callable[[int], float], int]:
@@ -759,13 +788,25 @@ class BatchEngine:
         K_without, value_without = best_length(alphas, [0 if m else s for m, s in zip(modules, shapes)], plain)
         return (without, plain, K_without) if value_without >= value else (caps, steps, K)
 
-    def _steps(self, context: int, modules: int) -> Callable[[int], float]:
+    def _steps(self, context: int, modules: int, counterfactual: int = 0) -> Callable[[int], float]:
         """:meth:`modelled_steps`, corrected by what rounds at this batch size cost against it (:meth:`calibration`;
-        a speculative round's correction for w > 1, a plain round's for w = 1)."""
+        a speculative round's correction for w > 1, a plain round's for w = 1); with ``counterfactual`` rows whose
+        full-information feedback a speculative round would still make, w > 1 adds its seconds for them
+        (:meth:`counterfactual_seconds`; once the rows have looked up, the choice of K leaves it out: paid either
+        way)."""
         model = self.modelled_steps(context, modules)
         B = len(self.rows)
         plain, spec = self.calibration(B, False), self.calibration(B, True)
-        return lambda w: model(w) * (spec if w > 1 else plain)
+        one = self._one_seconds(B, context) if counterfactual else None
+        extra = counterfactual * self.counterfactual_seconds() / one if one else 0.0
+        return lambda w: model(w) * spec + extra if w > 1 else model(w) * plain
+
+    def counterfactual_seconds(self) -> float:
+        """Seconds of a full-information policy's feedback per row that drafts counterfactually: the proposals of
+        every scorable arm, their scoring, the settling of the rounds before (over the last WORK_WINDOW rounds that
+        did any; 0 before any)."""
+        rows = sum(n for n, _ in self._counterfactual)
+        return sum(seconds for _, seconds in self._counterfactual) / rows if rows else 0.0
 
     def calibration(self, B: int, speculative: bool) -> float:
         """Realised ÷ modelled seconds of the last rounds at batch size B that drafted (``speculative``) or did no
