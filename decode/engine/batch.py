@@ -28,14 +28,14 @@ request N learnt steers request N + 1, and a row's own rounds refine its estimat
 posterior each round, Thompson sampling, so an arm whose first drafts were unlucky is tried again:
 :class:`Acceptance`). Before any row chooses, the round is made plain when no K could pay even if every row played
 its most accepted arm at its longest cap (a lookup's: the draft it finds now), counting the lookups a
-full-information policy's rows would then make for it: then no row drafts, no policy chooses or learns (no arm is played), and a full-information policy (the router) gets no
-counterfactual drafts that round (every row's lookups for it would be pure loss; the rounds queued before still
-settle, and that settling counts as speculative work). A row whose arm could draft but to which the joint length
-gave nothing does not teach its policy either. First the choice is made on
-every row's cap (its arm's L): when even that gives K = 0, no row drafts at all (a real draft is at most its cap,
-so it could not pay either; at large B most rounds are such, and their lookups were pure loss). Otherwise every
-row drafts up to its cap (model-free drafting is cheap), then all drafts are cut to one K chosen jointly for the
-batch on the lengths d_r actually drafted, to maximise Σ_rows E_r(min(K, d_r)) / c_B(1 + K) with
+full-information policy's rows would then make for it: then no row drafts, no policy chooses or learns (no arm is
+played), and a full-information policy (the router) gets no counterfactual drafts that round (every row's lookups
+for it would be pure loss; the rounds queued before still settle, which counts as that policy's feedback). A row
+whose arm could draft but to which the joint length gave nothing does not teach its policy either. First the
+choice is made on every row's cap (its arm's L): when even that gives K = 0, no row drafts at all (a real draft is
+at most its cap, so it could not pay either; at large B most rounds are such, and their lookups were pure loss).
+Otherwise every row drafts up to its cap (model-free drafting is cheap), then all drafts are cut to one K chosen
+jointly for the batch on the lengths d_r actually drafted, to maximise Σ_rows E_r(min(K, d_r)) / c_B(1 + K) with
 E(k) = 1 + α + … + α^k (the expected tokens of a chain whose positions each survive with α). When a row's arm drafts
 with a module (an EAGLE head, a drafter, a union holding one), the cost adds that module's forwards (a catch-up and
 one per draft position, at the seconds the rounds measured), and the module's rows are left out of the round when
