@@ -990,8 +990,14 @@ class BatchEngine:
     def _free_pieces(self, row: Row, i: int, cap: int) -> list[Draft | None]:
         """The drafts of arm ``i``'s parts for ``row`` up to ``cap`` tokens (each part up to its own L too): a
         model-free part's now, None for a part a batch drafter drafts (:meth:`_propose_batched`)."""
-        return [None if (i, j) in row.drafters else part.propose(row.ctx, min(part.L, cap), None) if cap
+        return [None if (i, j) in row.drafters else self._lookup(row, i, j, min(part.L, cap)) if cap
                 else Draft.empty() for j, part in enumerate(row.arms[i].parts)]
+
+    def _lookup(self, row: Row, i: int, j: int, n: int) -> Draft:
+        """Part ``j`` of the row's arm ``i`` (model-free: a function of the context) drafting up to ``n`` tokens from
+        the row's context, once per round: the gate's lookups (:meth:`_best_case`) are the round's drafts when the
+        rows go on to draft."""
+        return self._memoised(("lookup", row.rid, i, j, n), lambda: row.arms[i].parts[j].propose(row.ctx, n, None))
 
     def _propose_batched(self, picks: list[int], caps: list[int], pieces: list[list[Draft | None]]) -> None:
         """Fill the pieces (None) that batch drafters draft: one call per module, every row drafting with it
