@@ -31,11 +31,12 @@ def _engine(model, pool=POOL, policy="random", sampling=GREEDY, eos=(), seed=0, 
                        Verifier(sampling, "torch", torch.Generator().manual_seed(seed)), eos, **kw)
 
 
-def _pin_cheap_drafting(eng: BatchEngine) -> None:
-    """The cost model pinned for tests of what the rounds do with it: extra block positions cheap, nothing beside
-    the block. A tiny model's measured round work and feedback outweigh its forwards, so whether its rows drafted at
-    all otherwise followed the machine's timing (a clean clone's run drafted nothing where the local ones did)."""
-    eng.block_steps = lambda B, W, context: 1.0 + 0.05 * (W - 1)
+def _pin_cost(eng: BatchEngine, steps=lambda W: 1.0 + 0.05 * (W - 1)) -> None:
+    """The cost model pinned for tests of what the rounds do with it: a block of W positions costs ``steps(W)``
+    one-row steps (default: extra positions cheap), nothing beside the block. A tiny model's measured round work and
+    feedback outweigh its forwards, so whether its rows drafted at all otherwise followed the machine's timing (a
+    clean clone's run drafted nothing where the local ones did)."""
+    eng.block_steps = lambda B, W, context: steps(W)
     eng.overhead_steps = lambda B, w, one: 0.0
     eng.calibration = lambda B, speculative: 1.0
     eng.counterfactual_seconds = lambda: 0.0
@@ -179,7 +180,7 @@ def test_full_information_and_cost_policies_learn_per_row_and_stay_lossless(mode
     eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared,
                       Verifier(GREEDY, "torch"), length="cost" if "cost" in spec else "fixed")
     if eng.length == "cost":
-        _pin_cheap_drafting(eng)
+        _pin_cost(eng)
     rows = eng.generate(PROMPTS, 20, max_batch=4)
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 20), p
@@ -249,7 +250,7 @@ def test_a_unions_tree_is_counted_by_the_depth_its_first_K_nodes_reach():
 @pytest.mark.parametrize("max_batch", [None, 2])
 def test_cost_lengths_stay_lossless_and_learn_shared_acceptance(model, max_batch):
     eng = _engine(model, pool=["none", "pld:L=4", "suffix:L=4"], policy="ucbspec", length="cost")
-    _pin_cheap_drafting(eng)
+    _pin_cost(eng)
     rows = eng.generate(PROMPTS, 24, max_batch=max_batch)
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 24), p
@@ -465,11 +466,7 @@ def test_rounds_that_cannot_speculate_make_no_counterfactual_drafts(model, monke
     shared.update = lambda arm, rec: updates.append(rec) or update(arm, rec)
     eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared, Verifier(GREEDY, "torch"),
                       length="cost")
-    eng.block_steps = lambda B, W, context: steps(W)
-    eng.overhead_steps = lambda B, w, one: 0.0
-    # the model as pinned (a tiny model's measured round work and feedback would outweigh its forwards)
-    eng.calibration = lambda B, speculative: 1.0
-    eng.counterfactual_seconds = lambda: 0.0
+    _pin_cost(eng, steps)
     gate, found_nothing = eng._nothing_pays, []
     eng._nothing_pays = lambda context: gate(context) and (
         found_nothing.append(max(eng._best_case(False, looked_up=True)[1]) == 0) or True)
