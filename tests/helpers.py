@@ -82,4 +82,4 @@ def model_costs_only(monkeypatch):
     """A batched round's cost as the engine's model says, with no correction from wall-clock rounds (on a tiny model
     mostly noise): for tests that pin or check the model itself (tests/test_cost_calibration.py tests the
     correction). Autouse wherever a test module imports it: ``from helpers import model_costs_only  # noqa: F401``."""
-    monkeypatch.setattr("decode.engine.batch.BatchEngine.calibration", lambda self, B, speculative: 1.0)
+    monkeypatch.setattr("decode.engine.batch.BatchEngine.calibration", lambda self, B, kind: 1.0)

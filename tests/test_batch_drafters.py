@@ -151,7 +151,7 @@ def test_union_rows_draft_the_serial_unions_trees_and_stay_lossless(model, monke
     eng = _engine(model, module, pool=("union", "pld:L=3", "none"), policy="ucbspec" if length == "cost" else "random",
                   length=length)
     if length == "cost":  # positions nearly free, so K > 0 and trees get cut (a tiny model's own costs are noise)
-        eng._steps = lambda context, modules, counterfactual=0: (lambda w: 1.0 + 0.01 * (w - 1))
+        eng._steps = lambda context, modules, **_: (lambda w: 1.0 + 0.01 * (w - 1))
     rows = eng.generate(PROMPTS, 20, max_batch=4)
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 20), p
@@ -275,7 +275,7 @@ def test_a_rows_first_feed_is_not_counted_as_the_modules_drafting_cost(model, mo
     monkeypatch.setattr(EagleBatch, "_run", lambda self, ids, extra, pos, cache, mask: (
         mask is None and time.sleep(0.3)) or run(self, ids, extra, pos, cache, mask))
     eng = _engine(model, _module(model, "eagle3"), policy="fixed:arm=0", length="cost")
-    eng._steps = lambda context, modules, counterfactual=0: (lambda w: 1.0 + 0.01 * (w - 1))  # drafting pays: the module runs
+    eng._steps = lambda context, modules, **_: (lambda w: 1.0 + 0.01 * (w - 1))  # drafting pays: the module runs
     rows = eng.generate(PROMPTS[:3], 8)
     for p, r in zip(PROMPTS[:3], rows):
         assert r.tokens == plain_greedy(model, p, 8), p
@@ -413,7 +413,7 @@ def test_cost_lengths_count_the_modules_own_forwards(model, monkeypatch, module_
     seen = _spy(monkeypatch)
     eng = _engine(model, _module(model, "eagle1"), pool=("neural", "pld:L=3"), policy="random", length="cost")
     eng.block_steps = lambda B, W, context: 1.0 + 0.05 * (W - 1)  # extra positions nearly free
-    eng.overhead_steps = lambda B, w, one: 0.0  # and no round work beside the forwards
+    eng.overhead_steps = lambda B, w, one, **_: 0.0  # and no round work beside the forwards
     ids = [eng.add(p, 16) for p in PROMPTS[:4]]
     done = {}
     while eng.rows:

@@ -12,7 +12,7 @@ from decode.choose.policies import build_policy
 from decode.common.errors import UserError
 from decode.core.sampling import SamplingConfig
 from decode.core.verify import Verifier
-from decode.engine.batch import Acceptance, BatchEngine, RowCache, fill_holes
+from decode.engine.batch import CLOSED, DRAFTING, PLAIN, Acceptance, BatchEngine, RowCache, fill_holes
 from helpers import model_costs_only  # noqa: F401  (autouse)
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
@@ -37,8 +37,8 @@ def _pin_cost(eng: BatchEngine, steps=lambda W: 1.0 + 0.05 * (W - 1)) -> None:
     feedback outweigh its forwards, so whether its rows drafted at all otherwise followed the machine's timing (a
     clean clone's run drafted nothing where the local ones did)."""
     eng.block_steps = lambda B, W, context: steps(W)
-    eng.overhead_steps = lambda B, w, one: 0.0
-    eng.calibration = lambda B, speculative: 1.0
+    eng.overhead_steps = lambda B, w, one, **_: 0.0
+    eng.calibration = lambda B, kind: 1.0
     eng.counterfactual_seconds = lambda: 0.0
 
 
@@ -289,7 +289,7 @@ def test_an_arm_whose_first_drafts_failed_is_tried_again(model, draws):
         eng.acceptance.rng = None
     eng.acceptance.shared = {0: [0.0, 6.0]}  # six rejections, no accepted position: mean 1/8
     eng.block_steps = lambda B, W, context: 1.0 + 0.3 * (W - 1)  # pinned: break-even α is ~0.3
-    eng.overhead_steps = lambda B, w, one: 0.0
+    eng.overhead_steps = lambda B, w, one, **_: 0.0
     eng.cost.sizes = lambda: {1, 2}  # a measured curve: the gate before choosing decides
     rows = eng.generate(PROMPTS, 24, max_batch=2)
     for p, r in zip(PROMPTS, rows):
@@ -317,7 +317,7 @@ def test_no_row_drafts_when_no_length_can_pay_even_at_its_cap(model, steps, draf
     eng = BatchEngine(model, make_arms, lambda K: build_policy("ucbspec", K, 4, seed=next(seeds)),
                       Verifier(GREEDY, "torch", torch.Generator().manual_seed(0)), (), length="cost")
     eng.block_steps = lambda B, W, context: steps(W)  # the block's cost in one-row-block steps, fixed for the test
-    eng.overhead_steps = lambda B, w, one: 0.0  # and no round work beside it (a tiny model's is a forward's size)
+    eng.overhead_steps = lambda B, w, one, **_: 0.0  # and no round work beside it (a tiny model's is a forward's size)
     rows = eng.generate(PROMPTS, 16, max_batch=4)
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 16), p
@@ -339,7 +339,7 @@ def test_cost_lengths_count_a_rounds_own_work_per_row(model, spec_seconds, draft
     while eng.rows:
         done.update({r.rid: r for r in eng.step()})
         # what the rounds measured, pinned for the test: per row, no fixed part
-        eng.round_work = lambda B, speculative: B * (spec_seconds if speculative else 0.0)
+        eng.round_work = lambda B, kind: B * (spec_seconds if kind == DRAFTING else 0.0)
     for rid, p in zip(ids, PROMPTS):
         assert done[rid].tokens == plain_greedy(model, p, 16), p
     assert eng.overhead_steps(4, 2, 1e-3) == pytest.approx(4 * spec_seconds / 1e-3)
@@ -383,7 +383,7 @@ def test_a_modules_forward_is_costed_at_the_number_of_rows_drafting_with_it(mode
     eng.module_seconds = {2: 0.005, 16: 0.010}
     assert [eng.module_seconds_at(n) for n in (16, 12, 3, 9)] == [0.010, 0.010, 0.005, 0.005]
     eng.block_steps = lambda B, W, context: 1.0
-    eng.overhead_steps = lambda B, w, one: 0.0
+    eng.overhead_steps = lambda B, w, one, **_: 0.0
     eng._one_seconds = lambda B, context: 0.1
     assert eng._steps(300, 16)(3) == pytest.approx(1 + 3 * 0.010 / 0.1)
     assert eng._steps(300, 2)(3) == pytest.approx(1 + 3 * 0.005 / 0.1)
@@ -394,17 +394,17 @@ def test_a_rounds_own_work_has_a_fixed_part_and_a_part_per_row(model):
     """A round's own work is fitted as a + b·B to each batch size's median (what a batch's tail measures, with few
     rows sharing the fixed part, no longer says what 16 rows cost); one batch size measured: per row × B."""
     eng = _engine(model, pool=["none"], policy="fixed:arm=0", length="cost")
-    assert eng.round_work(16, False) is None and eng.overhead_steps(16, 1, 0.1) == 0.0
-    eng._own_work[False] = deque([(2, 0.0031), (2, 0.0029), (2, 0.0030)])  # 1.5 ms a row
-    assert eng.round_work(16, False) == pytest.approx(16 * 0.0015)
-    eng._own_work[False].extend([(4, 0.004), (8, 0.006), (8, 0.0061), (8, 0.0059), (1, 0.0025)])
-    assert eng.round_work(16, False) == pytest.approx(0.002 + 0.0005 * 16)  # 2 ms a round, 0.5 ms a row
-    assert eng.round_work(16, True) is None
-    assert eng.overhead_steps(16, 2, 0.1) == pytest.approx(eng.round_work(16, False) / 0.1)  # not yet measured
-    eng._own_work[True] = deque([(4, 0.004), (8, 0.004)])  # more rows, no more work: flat
-    assert eng.round_work(16, True) == pytest.approx(0.004)
-    eng._own_work[True] = deque([(2, 0.001), (4, 0.004)])  # a negative fixed part: per row through the origin
-    assert eng.round_work(6, True) == pytest.approx(6 * (2 * 0.001 + 4 * 0.004) / 20)
+    assert eng.round_work(16, PLAIN) is None and eng.overhead_steps(16, 1, 0.1) == 0.0
+    eng._own_work[PLAIN] = deque([(2, 0.0031), (2, 0.0029), (2, 0.0030)])  # 1.5 ms a row
+    assert eng.round_work(16, PLAIN) == pytest.approx(16 * 0.0015)
+    eng._own_work[PLAIN].extend([(4, 0.004), (8, 0.006), (8, 0.0061), (8, 0.0059), (1, 0.0025)])
+    assert eng.round_work(16, PLAIN) == pytest.approx(0.002 + 0.0005 * 16)  # 2 ms a round, 0.5 ms a row
+    assert eng.round_work(16, DRAFTING) is None
+    assert eng.overhead_steps(16, 2, 0.1) == pytest.approx(eng.round_work(16, PLAIN) / 0.1)  # not yet measured
+    eng._own_work[DRAFTING] = deque([(4, 0.004), (8, 0.004)])  # more rows, no more work: flat
+    assert eng.round_work(16, DRAFTING) == pytest.approx(0.004)
+    eng._own_work[DRAFTING] = deque([(2, 0.001), (4, 0.004)])  # a negative fixed part: per row through the origin
+    assert eng.round_work(6, DRAFTING) == pytest.approx(6 * (2 * 0.001 + 4 * 0.004) / 20)
 
 
 def test_a_rounds_own_work_leaves_out_the_caches_one_off_copies(model, monkeypatch):
@@ -421,7 +421,7 @@ def test_a_rounds_own_work_leaves_out_the_caches_one_off_copies(model, monkeypat
         return grow(*a, **k)
     monkeypatch.setattr(eng.cache, "reserve", slow_reserve)
     eng.generate(PROMPTS[:4], 6, max_batch=4)
-    assert eng.row_overhead[False] < 0.01  # per row: a copy left in would read 15 ms at least
+    assert eng.row_overhead[PLAIN] < 0.01  # per row: a copy left in would read 15 ms at least
     assert sum(h.verify_time > 0.06 for h in eng.history) >= 1  # the copies happened inside rounds
 
 
@@ -439,11 +439,13 @@ def test_counterfactual_feedback_is_measured_apart_from_a_rounds_own_work(model,
     eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared, Verifier(GREEDY, "torch"),
                       length="cost")
     eng.block_steps = lambda B, W, context: float(W)  # after the first rounds nothing pays: plain rounds settle
-    eng.overhead_steps = lambda B, w, one: 0.0
+    eng.overhead_steps = lambda B, w, one, **_: 0.0
     eng.generate(PROMPTS, 16, max_batch=4)
     assert sum(h.plain for h in eng.history) > 3
-    # rounds whose rows looked up but drafted nothing are plain too: a settle left in would read 7 ms a row at least
-    assert eng.row_overhead[False] < 0.005
+    # rounds the gate closed, and rounds whose rows looked up but drafted nothing: a settle left in would read 7 ms a
+    # row at least
+    assert all(eng.row_overhead[kind] < 0.005 for kind in (CLOSED, PLAIN) if kind in eng.row_overhead)
+    assert CLOSED in eng.row_overhead
     assert eng.counterfactual_seconds() >= 0.03  # every row that drafted counterfactually settled once at least
 
 
@@ -500,7 +502,7 @@ def test_the_gate_charges_the_counterfactual_drafts_it_would_let_rows_make(model
     eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared, Verifier(GREEDY, "torch"),
                       length="cost")
     eng.block_steps = lambda B, W, context: 1.0 + 0.01 * (W - 1)
-    eng.overhead_steps = lambda B, w, one: 0.0
+    eng.overhead_steps = lambda B, w, one, **_: 0.0
     rows = eng.generate(PROMPTS, 16, max_batch=4)
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 16), p

@@ -41,7 +41,8 @@ with a module (an EAGLE head, a drafter, a union holding one), the cost adds tha
 one per draft position, at the seconds the rounds measured), and the module's rows are left out of the round when
 the others' cheap drafts alone expect more per unit of cost. The cost also counts the round's own work per row
 outside the forwards (policies, lookups, verification, commits, compaction), measured apart for rounds in which rows
-drafted and rounds in which none did, as a fixed part and a part per row; a full-information policy's counterfactual
+drafted, rounds in which rows chose and none drafted, and rounds the gate made plain (what the gate weighs drafting
+against), as a fixed part and a part per row; a full-information policy's counterfactual
 drafts and their scoring are measured apart again, per row, and charged to speculation only where the gate would
 let the rows make them. A module's forward is costed at the number of rows drafting with it, and the whole is
 corrected per batch size by what such rounds measured against it (:meth:`BatchEngine.calibration`). As B grows the
@@ -105,6 +106,15 @@ MODEL_FREE = {"pld", "suffix", "none"}
 OVERHEAD_WINDOW = 16  # rounds of each kind whose own work per row the cost's estimate is the median of
 WORK_WINDOW = 96  # rounds of each kind whose own work, by batch size, gives its fixed and per-row parts
 CALIBRATION_WINDOW, CALIBRATION_LEAST = 32, 3  # rounds a batch size's cost correction is the median of; fewest read
+# a round's kind, for its own work and its cost correction (length=cost): the gate closed before any row chose an arm
+# (CLOSED), rows chose and none drafted (PLAIN), some row drafted (DRAFTING). The gate weighs drafting against a closed
+# round, what it would make instead; a choice of K after rows chose, against a plain one (their choices are made).
+# Counted as one kind, the rounds that chose K = 0 after the rows' choices made the gate's alternative 3-5% dearer
+# than the closed rounds it would play at B = 16 on the AMX Xeon (own work 5.6 ms modelled where closed rounds did
+# ~3, corrected by the plain rounds' 1.01-1.03), so it opened on a predicted +5% and drafted at -4%
+CLOSED, PLAIN, DRAFTING = "closed", "plain", "drafting"
+# the kinds read for a kind's own work and correction, in order, while a kind has none measured
+READ_AS = {CLOSED: (CLOSED, PLAIN), PLAIN: (PLAIN, CLOSED), DRAFTING: (DRAFTING, PLAIN, CLOSED)}
 LENGTHS = ("fixed", "cost", "schedule:<B range>=<K>,...", "ema:<tier>,...")
 
 
@@ -421,15 +431,15 @@ class BatchEngine:
         self.module_seconds: dict[int, float] = {}
         # (B, seconds) of the last rounds' own work outside the block's forward, the probe and the modules' drafting
         # (policies, lookups, verification, commits; not a full-information policy's feedback: ``_counterfactual``),
-        # apart for rounds in which some row drafted (True) and rounds in which none did (False): at
+        # per kind of round (CLOSED, PLAIN, DRAFTING: where rows drafted, their lookups and drafting's bookkeeping): at
         # large B a speculative round's own work is a fair share of a forward, and a length blind to it speculated at
         # a loss (length=cost, :meth:`round_work`, :attr:`row_overhead`). The cache's one-off work (its capacity
         # doubling, rows leaving, compaction) is left out, and medians are read, not means: one such copy (~100 ms at
         # 16 rows) once raised a plain round's figure sixfold, and with plain rounds then looking dear none was played
         # to correct it
-        self._own_work: dict[bool, deque] = {}
-        # (B, drafted?) -> realised ÷ modelled seconds of the last rounds of that kind (:meth:`calibration`)
-        self._calibration: dict[tuple[int, bool], deque] = {}
+        self._own_work: dict[str, deque] = {}
+        # (B, kind) -> realised ÷ modelled seconds of the last rounds of that kind (:meth:`calibration`)
+        self._calibration: dict[tuple[int, str], deque] = {}
         # within a round, what round_work and calibration answered (the rounds' records change once a round, after
         # the choices; a round's choices ask each a dozen times: the fit alone was ~1% of a round at B = 2)
         self._round_memo: dict | None = None
@@ -598,7 +608,8 @@ class BatchEngine:
             # is spent on a round that verifies one position per row
             if K == 0:
                 caps = [0] * len(caps)
-        spec = max(caps, default=0) > 0  # some row drafts (a lookup may find nothing): a speculative round's work
+        # some row drafts (a lookup may find nothing): a drafting round's work
+        kind = CLOSED if plain else DRAFTING if max(caps, default=0) > 0 else PLAIN
         # model-free parts draft first (cheap, and what they find decides their length: a lookup with no match
         # drafts nothing, however long its L); a module's chain always drafts its cap, so it drafts after K is known
         pieces = [self._free_pieces(r, i, c) for r, i, c in zip(self.rows, picks, caps)]
@@ -628,7 +639,7 @@ class BatchEngine:
         B = len(self.rows)
         # what the model charges for this round as it is played, in seconds (before the forward updates the curve)
         one = self._one_seconds(B, context) if self.length == "cost" else None
-        modelled = self.modelled_steps(context, len(module_rows))(W) * one if one else None
+        modelled = self.modelled_steps(context, len(module_rows), closed=plain)(W) * one if one else None
         ids = torch.full((B, W), self.pad_id, dtype=torch.long)
         pos = torch.zeros(B, W, dtype=torch.long)
         block_valid = torch.zeros(B, W, dtype=torch.bool)
@@ -716,14 +727,14 @@ class BatchEngine:
         self.cache.tidy(self.compact_slack)  # padding and rejected drafts piled up: attend over what is valid only
         own_work = t2 - t0 - probe - seconds - module_time - self._housekeeping - feedback
         self._round_memo = None  # the records change now (and a round left by an error starts a new memo)
-        self._own_work.setdefault(spec, deque(maxlen=WORK_WINDOW)).append((B, max(0.0, own_work)))
+        self._own_work.setdefault(kind, deque(maxlen=WORK_WINDOW)).append((B, max(0.0, own_work)))
         if seen or feedback:
             self._counterfactual.append((len(seen), feedback))
-        # the model's error at this B: rounds that drafted, and rounds that did not (a round whose lookups all found
-        # nothing is neither: it did a speculative round's work for a plain round's block)
-        if modelled and (W > 1 or not spec):
+        # the model's error at this B per kind (a round whose lookups all found nothing is none: it did a drafting
+        # round's work for a plain round's block)
+        if modelled and (W > 1 or kind != DRAFTING):
             real = t2 - t0 - probe - self._housekeeping - feedback
-            self._calibration.setdefault((B, W > 1), deque(maxlen=CALIBRATION_WINDOW)).append(real / modelled)
+            self._calibration.setdefault((B, kind), deque(maxlen=CALIBRATION_WINDOW)).append(real / modelled)
         return finished
 
     def _nothing_pays(self, context: int) -> bool:
@@ -742,7 +753,7 @@ class BatchEngine:
         for modules in (False, True):  # the arms that draft with a module pay its forwards too (:meth:`_steps`)
             alphas, caps = self._best_case(modules)
             drafting = sum(map(bool, caps)) if modules else 0  # rows drafting with a module
-            steps = self._steps(context, drafting, counterfactual=scoring)
+            steps = self._steps(context, drafting, counterfactual=scoring, closed=True)
             if max(caps) and joint_length(alphas, caps, steps) > 0:
                 if modules:
                     return False
@@ -788,15 +799,17 @@ class BatchEngine:
         K_without, value_without = best_length(alphas, [0 if m else s for m, s in zip(modules, shapes)], plain)
         return (without, plain, K_without) if value_without >= value else (caps, steps, K)
 
-    def _steps(self, context: int, modules: int, counterfactual: int = 0) -> Callable[[int], float]:
+    def _steps(self, context: int, modules: int, counterfactual: int = 0,
+               closed: bool = False) -> Callable[[int], float]:
         """:meth:`modelled_steps`, corrected by what rounds at this batch size cost against it (:meth:`calibration`;
-        a speculative round's correction for w > 1, a plain round's for w = 1); with ``counterfactual`` rows whose
-        full-information feedback a speculative round would still make, w > 1 adds its seconds for them
+        a drafting round's correction for w > 1; for w = 1 a plain round's, or with ``closed`` (the gate's
+        alternative) a closed round's, each with its own work); with ``counterfactual`` rows whose
+        full-information feedback a drafting round would still make, w > 1 adds its seconds for them
         (:meth:`counterfactual_seconds`; once the rows have looked up, the choice of K leaves it out: paid either
         way)."""
-        model = self.modelled_steps(context, modules)
+        model = self.modelled_steps(context, modules, closed=closed)
         B = len(self.rows)
-        plain, spec = self.calibration(B, False), self.calibration(B, True)
+        plain, spec = self.calibration(B, CLOSED if closed else PLAIN), self.calibration(B, DRAFTING)
         one = self._one_seconds(B, context) if counterfactual else None
         extra = counterfactual * self.counterfactual_seconds() / one if one else 0.0
         return lambda w: model(w) * spec + extra if w > 1 else model(w) * plain
@@ -808,11 +821,12 @@ class BatchEngine:
         rows = sum(n for n, _ in self._counterfactual)
         return sum(seconds for _, seconds in self._counterfactual) / rows if rows else 0.0
 
-    def calibration(self, B: int, speculative: bool) -> float:
-        """Realised ÷ modelled seconds of the last rounds at batch size B that drafted (``speculative``) or did no
-        speculative work at all, their median; where B has fewer than CALIBRATION_LEAST such rounds, the median over
-        every batch size; 1.0 before that. The model adds up what it measures apart (the block's forward, the modules'
-        forwards, a round's own work per row); what escapes it — the block's forward over more rows than the curve
+    def calibration(self, B: int, kind: str) -> float:
+        """Realised ÷ modelled seconds of the last rounds of a ``kind`` (CLOSED, PLAIN, DRAFTING) at batch size B,
+        their median; where B has fewer than CALIBRATION_LEAST such rounds, the median over every batch size; for a
+        closed or plain round where no size has, the same of the other (``READ_AS``); 1.0 before that. The model adds
+        up what it measures apart (the block's forward, the modules' forwards, a round's own work per row); what
+        escapes it — the block's forward over more rows than the curve
         measured it with, a head's features for the rows, verification row by row — made drafting rounds at B = 16
         cost ~1.2× their model on the AMX Xeon (before t_B(W), the modules' cost per rows and :meth:`round_work`), and
         the router drafted there at what the model called break-even and was ~15% slower. Corrected by this ratio, a
@@ -820,7 +834,7 @@ class BatchEngine:
         of drafting rounds dated from while acceptance was still being learnt and only refreshed when it let rows
         draft, so it closed for good), the ratio is a property of the machine and the batch, not of what the arms
         have learnt."""
-        return self._memoised(("calibration", B, speculative), lambda: self._calibration_ratio(B, speculative))
+        return self._memoised(("calibration", B, kind), lambda: self._calibration_ratio(B, kind))
 
     def _memoised(self, key: tuple, compute: Callable[[], object]):
         """``compute()``, answered once per round while a round is choosing (outside a round: every time)."""
@@ -831,26 +845,30 @@ class BatchEngine:
             memo[key] = compute()
         return memo[key]
 
-    def _calibration_ratio(self, B: int, speculative: bool) -> float:
-        own = self._calibration.get((B, speculative))
-        if own is not None and len(own) >= CALIBRATION_LEAST:
-            return statistics.median(own)
-        pooled = [x for (_, s), d in self._calibration.items() if s == speculative for x in d]
-        return statistics.median(pooled) if len(pooled) >= CALIBRATION_LEAST else 1.0
+    def _calibration_ratio(self, B: int, kind: str) -> float:
+        for read in (DRAFTING,) if kind == DRAFTING else READ_AS[kind]:  # a drafting round's model differs in kind
+            own = self._calibration.get((B, read))
+            if own is not None and len(own) >= CALIBRATION_LEAST:
+                return statistics.median(own)
+            pooled = [x for (_, k), d in self._calibration.items() if k == read for x in d]
+            if len(pooled) >= CALIBRATION_LEAST:
+                return statistics.median(pooled)
+        return 1.0
 
-    def modelled_steps(self, context: int, modules: int) -> Callable[[int], float]:
+    def modelled_steps(self, context: int, modules: int, closed: bool = False) -> Callable[[int], float]:
         """The modelled cost of a round whose block is w positions per row, in one-position forwards of the batch:
         the block's c_B(w), plus, when ``modules`` rows draft with a module (an EAGLE head, a drafter), the module's w
         forwards (a catch-up and w - 1 draft steps) at their measured seconds for that many rows
         (:meth:`module_seconds_at`): at large B a head's steps cost as much as the block's extra positions, and a
         length that ignored them speculated at a loss. Plus the round's own work
-        (:meth:`round_work`: a speculative round's when w > 1, a plain round's else), which at B = 16 on the EPYC was
-        1.7 ms a row in speculative rounds against 0.45 ms in plain ones, a third of a forward."""
+        (:meth:`round_work`: a drafting round's when w > 1, else a plain round's, or with ``closed`` a closed
+        round's), which at B = 16 on the EPYC was 1.7 ms a row in drafting rounds against 0.45 ms in plain ones, a
+        third of a forward."""
         B = len(self.rows)
         one = self._one_seconds(B, context)
         module = self.module_seconds_at(modules) if modules else None
 
-        work = {w > 1: self.overhead_steps(B, w, one) for w in (1, 2)}  # a plain round's, a drafting round's
+        work = {w > 1: self.overhead_steps(B, w, one, closed=closed) for w in (1, 2)}
 
         def steps(w: int) -> float:
             total = self.block_steps(B, w, context) + work[w > 1]
@@ -873,38 +891,38 @@ class BatchEngine:
         t = None if own is None else own.seconds(1, context)
         return t if t is not None else self.cost.seconds_at(B, context)
 
-    def overhead_steps(self, B: int, w: int, one: float | None) -> float:
-        """A round's own work outside its forwards for B rows (:meth:`round_work`: a speculative round's when w > 1,
-        a plain round's else; a speculative round not yet measured counts as a plain one), in forwards of one
-        position per row (``one`` seconds); 0 while nothing is measured."""
-        plain = self.round_work(B, False)
-        work = (self.round_work(B, True) or plain) if w > 1 else plain
+    def overhead_steps(self, B: int, w: int, one: float | None, closed: bool = False) -> float:
+        """A round's own work outside its forwards for B rows (:meth:`round_work`: a drafting round's when w > 1,
+        else a plain round's, or with ``closed`` a closed round's; a kind not yet measured reads the next of
+        ``READ_AS``), in forwards of one position per row (``one`` seconds); 0 while nothing is measured."""
+        kind = DRAFTING if w > 1 else CLOSED if closed else PLAIN
+        work = next((x for k in READ_AS[kind] if (x := self.round_work(B, k)) is not None), None)
         return work / one if work is not None and one else 0.0
 
     @property
-    def row_overhead(self) -> dict[bool, float]:
-        """Seconds of a round's own work per row, per kind (speculative or not): the median over the last
+    def row_overhead(self) -> dict[str, float]:
+        """Seconds of a round's own work per row, per kind (CLOSED, PLAIN, DRAFTING): the median over the last
         OVERHEAD_WINDOW such rounds."""
-        return {spec: statistics.median(s / b for b, s in list(d)[-OVERHEAD_WINDOW:])
-                for spec, d in self._own_work.items() if d}
+        return {kind: statistics.median(s / b for b, s in list(d)[-OVERHEAD_WINDOW:])
+                for kind, d in self._own_work.items() if d}
 
-    def round_work(self, B: int, speculative: bool) -> float | None:
+    def round_work(self, B: int, kind: str) -> float | None:
         """Seconds of a round's own work at B rows: a + b·B, fitted (least squares, a and b ≥ 0) to the median own
         work of each batch size among the last WORK_WINDOW rounds of that kind; with one batch size measured, its
         median per row × B (``row_overhead``); None before any. A figure per row alone, measured mostly in a batch's
         tail where few rows share a round's fixed work, charged 16 rows 0.95 ms each where such rounds did 0.45 on
         the AMX Xeon, and plain rounds looked dearer than drafting ones."""
-        return self._memoised(("work", B, speculative), lambda: self._fit_round_work(B, speculative))
+        return self._memoised(("work", B, kind), lambda: self._fit_round_work(B, kind))
 
-    def _fit_round_work(self, B: int, speculative: bool) -> float | None:
-        samples = self._own_work.get(speculative)
+    def _fit_round_work(self, B: int, kind: str) -> float | None:
+        samples = self._own_work.get(kind)
         if not samples:
             return None
         by: dict[int, list[float]] = {}
         for b, seconds in samples:
             by.setdefault(b, []).append(seconds)
         if len(by) == 1:
-            return B * self.row_overhead[speculative]
+            return B * self.row_overhead[kind]
         xs = list(by)
         ys = [statistics.median(by[b]) for b in xs]
         slope, a = statistics.linear_regression(xs, ys)
