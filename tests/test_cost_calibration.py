@@ -70,11 +70,11 @@ def test_rounds_that_cost_more_than_modelled_stop_the_rows_drafting(model):
     assert eng.calibration(4, DRAFTING) > 3  # 30 ms against a modelled few
 
 
-def test_the_gate_weighs_drafting_against_a_closed_rounds_work_and_correction(model):
-    """Rounds the gate closed (no row chose) are their own kind: their own work and correction are what the gate's
-    plain alternative costs, apart from rounds whose rows chose and drafted nothing (their choices made, dearer: at
-    B = 16 counting both as one made the gate's alternative 3-5% too dear, and it drafted at a loss); each kind reads
-    the other while it has none measured, a drafting round's correction only its own."""
+def test_drafting_is_weighed_against_a_closed_rounds_work_and_correction(model):
+    """Rounds the gate closed (no row chose) are their own kind: their own work and correction are what drafting is
+    weighed against, apart from rounds whose rows chose and drafted nothing (their choices made, dearer: at B = 16
+    counting both as one made the alternative 3-5% too dear, and the router drafted at a loss); each kind reads the
+    other while it has none measured, a drafting round's correction only its own."""
     eng = _engine(model)
     eng._calibration[(16, PLAIN)] = deque([1.1, 1.1, 1.1])
     eng._own_work[PLAIN] = deque([(16, 0.0056)] * 3)
@@ -89,8 +89,8 @@ def test_the_gate_weighs_drafting_against_a_closed_rounds_work_and_correction(mo
     eng.block_steps = lambda B, W, context: 1.0 + 0.25 * (W - 1)
     eng._one_seconds = lambda B, context: 0.1
     eng.rows = [None] * 16
-    assert eng._steps(300, 0, closed=True)(1) == pytest.approx(1.03 * 0.95)
-    assert eng._steps(300, 0)(1) == pytest.approx(1.056 * 1.1)
+    assert eng._steps(300, 0)(1) == pytest.approx(1.03 * 0.95)
+    assert eng._steps(300, 0)(2) == pytest.approx(1.25 + 0.056)  # a drafting round's: no correction measured yet
 
 
 def test_rounds_are_recorded_by_kind(model):

@@ -41,7 +41,7 @@ with a module (an EAGLE head, a drafter, a union holding one), the cost adds tha
 one per draft position, at the seconds the rounds measured), and the module's rows are left out of the round when
 the others' cheap drafts alone expect more per unit of cost. The cost also counts the round's own work per row
 outside the forwards (policies, lookups, verification, commits, compaction), measured apart for rounds in which rows
-drafted, rounds in which rows chose and none drafted, and rounds the gate made plain (what the gate weighs drafting
+drafted, rounds in which rows chose and none drafted, and rounds the gate made plain (what drafting is weighed
 against), as a fixed part and a part per row; a full-information policy's counterfactual
 drafts and their scoring are measured apart again, per row, and charged to speculation only where the gate would
 let the rows make them. A module's forward is costed at the number of rows drafting with it, and the whole is
@@ -107,11 +107,13 @@ OVERHEAD_WINDOW = 16  # rounds of each kind whose own work per row the cost's es
 WORK_WINDOW = 96  # rounds of each kind whose own work, by batch size, gives its fixed and per-row parts
 CALIBRATION_WINDOW, CALIBRATION_LEAST = 32, 3  # rounds a batch size's cost correction is the median of; fewest read
 # a round's kind, for its own work and its cost correction (length=cost): the gate closed before any row chose an arm
-# (CLOSED), rows chose and none drafted (PLAIN), some row drafted (DRAFTING). The gate weighs drafting against a closed
-# round, what it would make instead; a choice of K after rows chose, against a plain one (their choices are made).
-# Counted as one kind, the rounds that chose K = 0 after the rows' choices made the gate's alternative 3-5% dearer
-# than the closed rounds it would play at B = 16 on the AMX Xeon (own work 5.6 ms modelled where closed rounds did
-# ~3, corrected by the plain rounds' 1.01-1.03), so it opened on a predicted +5% and drafted at -4%
+# (CLOSED), rows chose and none drafted (PLAIN), some row drafted (DRAFTING). Drafting is weighed (at the gate and in
+# the choice of K) against a closed round: what a round costs that speculates not at all, the rate plain decoding
+# runs at. Read as one kind with the rounds whose rows chose and drafted nothing (their choices made), that
+# alternative was 3-5% dearer than the closed rounds it stood for at B = 16 on the AMX Xeon (own work 5.6 ms modelled
+# where closed rounds did ~3, corrected by the chosen rounds' 1.01-1.03), so the router drafted on a predicted +5%
+# and was 4% slower than plain batching; and priced as such a round once rows had chosen, the K = 0 side carried their
+# choices, which drafting pays as well, so the choice of K drafted below the rate of plain decoding
 CLOSED, PLAIN, DRAFTING = "closed", "plain", "drafting"
 # the kinds read for a kind's own work and correction, in order, while a kind has none measured
 READ_AS = {CLOSED: (CLOSED, PLAIN), PLAIN: (PLAIN, CLOSED), DRAFTING: (DRAFTING, PLAIN, CLOSED)}
@@ -639,7 +641,7 @@ class BatchEngine:
         B = len(self.rows)
         # what the model charges for this round as it is played, in seconds (before the forward updates the curve)
         one = self._one_seconds(B, context) if self.length == "cost" else None
-        modelled = self.modelled_steps(context, len(module_rows), closed=plain)(W) * one if one else None
+        modelled = self.modelled_steps(context, len(module_rows), closed=plain)(W) * one if one else None  # as played
         ids = torch.full((B, W), self.pad_id, dtype=torch.long)
         pos = torch.zeros(B, W, dtype=torch.long)
         block_valid = torch.zeros(B, W, dtype=torch.bool)
@@ -753,7 +755,7 @@ class BatchEngine:
         for modules in (False, True):  # the arms that draft with a module pay its forwards too (:meth:`_steps`)
             alphas, caps = self._best_case(modules)
             drafting = sum(map(bool, caps)) if modules else 0  # rows drafting with a module
-            steps = self._steps(context, drafting, counterfactual=scoring, closed=True)
+            steps = self._steps(context, drafting, counterfactual=scoring)
             if max(caps) and joint_length(alphas, caps, steps) > 0:
                 if modules:
                     return False
@@ -799,17 +801,16 @@ class BatchEngine:
         K_without, value_without = best_length(alphas, [0 if m else s for m, s in zip(modules, shapes)], plain)
         return (without, plain, K_without) if value_without >= value else (caps, steps, K)
 
-    def _steps(self, context: int, modules: int, counterfactual: int = 0,
-               closed: bool = False) -> Callable[[int], float]:
-        """:meth:`modelled_steps`, corrected by what rounds at this batch size cost against it (:meth:`calibration`;
-        a drafting round's correction for w > 1; for w = 1 a plain round's, or with ``closed`` (the gate's
-        alternative) a closed round's, each with its own work); with ``counterfactual`` rows whose
+    def _steps(self, context: int, modules: int, counterfactual: int = 0) -> Callable[[int], float]:
+        """:meth:`modelled_steps`, corrected by what rounds at this batch size cost against it (:meth:`calibration`):
+        for w > 1 a drafting round's, for w = 1 a closed round's (what drafting is weighed against: ``CLOSED``),
+        each with its own work and correction; with ``counterfactual`` rows whose
         full-information feedback a drafting round would still make, w > 1 adds its seconds for them
         (:meth:`counterfactual_seconds`; once the rows have looked up, the choice of K leaves it out: paid either
         way)."""
-        model = self.modelled_steps(context, modules, closed=closed)
+        model = self.modelled_steps(context, modules, closed=True)
         B = len(self.rows)
-        plain, spec = self.calibration(B, CLOSED if closed else PLAIN), self.calibration(B, DRAFTING)
+        plain, spec = self.calibration(B, CLOSED), self.calibration(B, DRAFTING)
         one = self._one_seconds(B, context) if counterfactual else None
         extra = counterfactual * self.counterfactual_seconds() / one if one else 0.0
         return lambda w: model(w) * spec + extra if w > 1 else model(w) * plain
