@@ -115,7 +115,8 @@ CALIBRATION_WINDOW, CALIBRATION_LEAST = 32, 3  # rounds a batch size's cost corr
 # and was 4% slower than plain batching; and priced as such a round once rows had chosen, the K = 0 side carried their
 # choices, which drafting pays as well, so the choice of K drafted below the rate of plain decoding
 CLOSED, PLAIN, DRAFTING = "closed", "plain", "drafting"
-# the kinds read for a kind's own work and correction, in order, while a kind has none measured
+# the kinds read for a kind's own work and correction, in order, while a kind has none measured (a drafting round's
+# correction reads only its own: :meth:`BatchEngine.calibration`)
 READ_AS = {CLOSED: (CLOSED, PLAIN), PLAIN: (PLAIN, CLOSED), DRAFTING: (DRAFTING, PLAIN, CLOSED)}
 LENGTHS = ("fixed", "cost", "schedule:<B range>=<K>,...", "ema:<tier>,...")
 
@@ -610,7 +611,8 @@ class BatchEngine:
             # is spent on a round that verifies one position per row
             if K == 0:
                 caps = [0] * len(caps)
-        # some row drafts (a lookup may find nothing): a drafting round's work
+        # the round's kind: the gate closed, some row drafts (a lookup may find nothing: still a drafting round's work),
+        # or rows chose and none drafts
         kind = CLOSED if plain else DRAFTING if max(caps, default=0) > 0 else PLAIN
         # model-free parts draft first (cheap, and what they find decides their length: a lookup with no match
         # drafts nothing, however long its L); a module's chain always drafts its cap, so it drafts after K is known
@@ -804,8 +806,8 @@ class BatchEngine:
     def _steps(self, context: int, modules: int, counterfactual: int = 0) -> Callable[[int], float]:
         """:meth:`modelled_steps`, corrected by what rounds at this batch size cost against it (:meth:`calibration`):
         for w > 1 a drafting round's, for w = 1 a closed round's (what drafting is weighed against: ``CLOSED``),
-        each with its own work and correction; with ``counterfactual`` rows whose
-        full-information feedback a drafting round would still make, w > 1 adds its seconds for them
+        each with its own work and correction; with ``counterfactual`` rows whose full-information feedback a
+        drafting round would still make, w > 1 adds its seconds for them
         (:meth:`counterfactual_seconds`; once the rows have looked up, the choice of K leaves it out: paid either
         way)."""
         model = self.modelled_steps(context, modules, closed=True)
@@ -823,18 +825,17 @@ class BatchEngine:
         return sum(seconds for _, seconds in self._counterfactual) / rows if rows else 0.0
 
     def calibration(self, B: int, kind: str) -> float:
-        """Realised ÷ modelled seconds of the last rounds of a ``kind`` (CLOSED, PLAIN, DRAFTING) at batch size B,
-        their median; where B has fewer than CALIBRATION_LEAST such rounds, the median over every batch size; for a
-        closed or plain round where no size has, the same of the other (``READ_AS``); 1.0 before that. The model adds
-        up what it measures apart (the block's forward, the modules' forwards, a round's own work per row); what
-        escapes it — the block's forward over more rows than the curve
-        measured it with, a head's features for the rows, verification row by row — made drafting rounds at B = 16
-        cost ~1.2× their model on the AMX Xeon (before t_B(W), the modules' cost per rows and :meth:`round_work`), and
-        the router drafted there at what the model called break-even and was ~15% slower. Corrected by this ratio, a
-        round's cost is what such rounds cost; unlike a comparison of rounds' goodput (tried and reverted: its record
-        of drafting rounds dated from while acceptance was still being learnt and only refreshed when it let rows
-        draft, so it closed for good), the ratio is a property of the machine and the batch, not of what the arms
-        have learnt."""
+        """Realised ÷ modelled seconds of the last rounds of a ``kind`` (CLOSED, PLAIN, DRAFTING) at batch size B, their
+        median; where B has fewer than CALIBRATION_LEAST such rounds, the median over every batch size; for a closed or
+        plain round where no size has, the same of the other (``READ_AS``); 1.0 before that. The model adds up what it
+        measures apart (the block's forward, the modules' forwards, a round's own work per row); what escapes it — the
+        block's forward over more rows than the curve measured it with, a head's features for the rows, verification row
+        by row — made drafting rounds at B = 16 cost ~1.2× their model on the AMX Xeon (before t_B(W), the modules' cost
+        per rows and :meth:`round_work`), and the router drafted there at what the model called break-even and was ~15%
+        slower. Corrected by this ratio, a round's cost is what such rounds cost; unlike a comparison of rounds' goodput
+        (tried and reverted: its record of drafting rounds dated from while acceptance was still being learnt and only
+        refreshed when it let rows draft, so it closed for good), the ratio is a property of the machine and the batch,
+        not of what the arms have learnt."""
         return self._memoised(("calibration", B, kind), lambda: self._calibration_ratio(B, kind))
 
     def _memoised(self, key: tuple, compute: Callable[[], object]):
