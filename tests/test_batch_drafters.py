@@ -15,6 +15,7 @@ from decode.choose.arms.union import UnionArm
 from decode.choose.heads import EagleHead, EarlyExitDrafter, save_head
 from decode.choose.policies import build_policy
 from decode.common.errors import UserError
+from decode.core.attention import our_attention_model
 from decode.core.sampling import SamplingConfig
 from decode.core.vocab import DraftVocab
 from decode.core.verify import Verifier
@@ -28,8 +29,9 @@ PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [5], [3, 3, 8
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_llama(vocab=64, layers=4, seed=3, peaked=4.0).double()  # float64: no near-tie flips between shapes
+def model():  # the engine feeds padded blocks packed with our attention (decode/core/ragged.py), as a CPU run
+    # float64: no near-tie flips between shapes
+    return our_attention_model(tiny_llama(vocab=64, layers=4, seed=3, peaked=4.0).double())
 
 
 def _head(model, fused: bool) -> EagleHead:
@@ -151,7 +153,7 @@ def test_union_rows_draft_the_serial_unions_trees_and_stay_lossless(model, monke
     eng = _engine(model, module, pool=("union", "pld:L=3", "none"), policy="ucbspec" if length == "cost" else "random",
                   length=length)
     if length == "cost":  # positions nearly free, so K > 0 and trees get cut (a tiny model's own costs are noise)
-        eng._steps = lambda context, modules, **_: (lambda w: 1.0 + 0.01 * (w - 1))
+        eng._steps = lambda context, modules, **_: (lambda w, n=None: 1.0 + 0.01 * (w - 1))
     rows = eng.generate(PROMPTS, 20, max_batch=4)
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 20), p
@@ -275,7 +277,8 @@ def test_a_rows_first_feed_is_not_counted_as_the_modules_drafting_cost(model, mo
     monkeypatch.setattr(EagleBatch, "_run", lambda self, ids, extra, pos, cache, mask: (
         mask is None and time.sleep(0.3)) or run(self, ids, extra, pos, cache, mask))
     eng = _engine(model, _module(model, "eagle3"), policy="fixed:arm=0", length="cost")
-    eng._steps = lambda context, modules, **_: (lambda w: 1.0 + 0.01 * (w - 1))  # drafting pays: the module runs
+    # drafting pays: the module runs
+    eng._steps = lambda context, modules, **_: (lambda w, n=None: 1.0 + 0.01 * (w - 1))
     rows = eng.generate(PROMPTS[:3], 8)
     for p, r in zip(PROMPTS[:3], rows):
         assert r.tokens == plain_greedy(model, p, 8), p
@@ -412,7 +415,7 @@ def test_cost_lengths_count_the_modules_own_forwards(model, monkeypatch, module_
     a lookup's rows still do; when they are free, the head drafts. Lossless either way."""
     seen = _spy(monkeypatch)
     eng = _engine(model, _module(model, "eagle1"), pool=("neural", "pld:L=3"), policy="random", length="cost")
-    eng.block_steps = lambda B, W, context: 1.0 + 0.05 * (W - 1)  # extra positions nearly free
+    eng.block_steps = lambda B, W, context, n=None: 1.0 + 0.05 * (W - 1)  # extra positions nearly free
     eng.overhead_steps = lambda B, w, one, **_: 0.0  # and no round work beside the forwards
     ids = [eng.add(p, 16) for p in PROMPTS[:4]]
     done = {}

@@ -10,9 +10,10 @@ import torch
 from decode.choose.arms import ArmEnv, build_arm
 from decode.choose.policies import build_policy
 from decode.common.errors import UserError
+from decode.core.attention import our_attention_model
 from decode.core.sampling import SamplingConfig
 from decode.core.verify import Verifier
-from decode.engine.batch import CLOSED, DRAFTING, PLAIN, Acceptance, BatchEngine, RowCache, fill_holes
+from decode.engine.batch import CLOSED, DRAFTING, PLAIN, Acceptance, BatchEngine, RowCache, fill_holes, joint_length
 from helpers import model_costs_only  # noqa: F401  (autouse)
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
@@ -36,15 +37,16 @@ def _pin_cost(eng: BatchEngine, steps=lambda W: 1.0 + 0.05 * (W - 1)) -> None:
     one-row steps (default: extra positions cheap), nothing beside the block. A tiny model's measured round work and
     feedback outweigh its forwards, so whether its rows drafted at all otherwise followed the machine's timing (a
     clean clone's run drafted nothing where the local ones did)."""
-    eng.block_steps = lambda B, W, context: steps(W)
+    eng.block_steps = lambda B, W, context, n=None: steps(W)
     eng.overhead_steps = lambda B, w, one, **_: 0.0
     eng.calibration = lambda B, kind: 1.0
     eng.counterfactual_seconds = lambda: 0.0
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_llama(vocab=64, layers=2, seed=3, peaked=4.0).double()  # float64: no near-tie flips between shapes
+def model():  # the engine feeds padded blocks packed with our attention (decode/core/ragged.py), as a CPU run
+    # float64: no near-tie flips between shapes
+    return our_attention_model(tiny_llama(vocab=64, layers=2, seed=3, peaked=4.0).double())
 
 
 @pytest.mark.parametrize("max_batch", [None, 1, 2, 4])
@@ -225,11 +227,11 @@ def test_joint_length_backs_off_when_the_block_gets_expensive():
     from decode.engine.batch import expected_tokens, joint_length
 
     assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == 1.75
-    flat = lambda n: 1.0 + 0.02 * (n - 1)  # noqa: E731  (a small batch on a CPU: more positions are nearly free)
-    steep = lambda n: float(n)  # noqa: E731  (a large batch: every position costs a full forward)
+    flat = lambda n, _=None: 1.0 + 0.02 * (n - 1)  # noqa: E731  (a small batch on a CPU: positions nearly free)
+    steep = lambda n, _=None: float(n)  # noqa: E731  (a large batch: every position costs a full forward)
     assert joint_length([0.6] * 4, [4] * 4, flat) == 4
     assert joint_length([0.6] * 4, [4] * 4, steep) == 0
-    assert joint_length([0.9, 0.1], [4, 4], lambda n: 1 + 0.3 * (n - 1)) in (2, 3, 4)  # one good row carries it
+    assert joint_length([0.9, 0.1], [4, 4], lambda n, _: 1 + 0.3 * (n - 1)) in (2, 3, 4)  # one good row carries it
     assert joint_length([0.6, 0.6], [0, 0], flat) == 0  # nothing to draft (the none arm, or no budget left)
 
 
@@ -241,7 +243,7 @@ def test_a_unions_tree_is_counted_by_the_depth_its_first_K_nodes_reach():
     assert [tree_depth(K, 3) for K in range(5)] == [0, 1, 2, 3, 3]  # a chain
     assert [tree_depth(K, (2, 4)) for K in range(8)] == [0, 1, 1, 2, 2, 3, 4, 4]  # levels of 2, 2, 1, 1 nodes
     assert tree_depth(3, (3, 0)) == 3  # a part that drafted nothing adds no node
-    flat = lambda n: 1.0 + 0.05 * (n - 1)  # noqa: E731
+    flat = lambda n, _=None: 1.0 + 0.05 * (n - 1)  # noqa: E731
     assert joint_length([0.6], [2], flat) == 2
     # two one-token chains: a second position buys a sibling, no depth, so it is not worth its cost
     assert joint_length([0.6], [(1, 1)], flat) == 1
@@ -288,7 +290,7 @@ def test_an_arm_whose_first_drafts_failed_is_tried_again(model, draws):
     if not draws:
         eng.acceptance.rng = None
     eng.acceptance.shared = {0: [0.0, 6.0]}  # six rejections, no accepted position: mean 1/8
-    eng.block_steps = lambda B, W, context: 1.0 + 0.3 * (W - 1)  # pinned: break-even α is ~0.3
+    eng.block_steps = lambda B, W, context, n=None: 1.0 + 0.3 * (W - 1)  # pinned: break-even α is ~0.3
     eng.overhead_steps = lambda B, w, one, **_: 0.0
     eng.cost.sizes = lambda: {1, 2}  # a measured curve: the gate before choosing decides
     rows = eng.generate(PROMPTS, 24, max_batch=2)
@@ -316,7 +318,7 @@ def test_no_row_drafts_when_no_length_can_pay_even_at_its_cap(model, steps, draf
     seeds = iter(range(10_000))
     eng = BatchEngine(model, make_arms, lambda K: build_policy("ucbspec", K, 4, seed=next(seeds)),
                       Verifier(GREEDY, "torch", torch.Generator().manual_seed(0)), (), length="cost")
-    eng.block_steps = lambda B, W, context: steps(W)  # the block's cost in one-row-block steps, fixed for the test
+    eng.block_steps = lambda B, W, context, n=None: steps(W)  # the block's cost in one-row-block steps, fixed
     eng.overhead_steps = lambda B, w, one, **_: 0.0  # and no round work beside it (a tiny model's is a forward's size)
     rows = eng.generate(PROMPTS, 16, max_batch=4)
     for p, r in zip(PROMPTS, rows):
@@ -332,7 +334,7 @@ def test_cost_lengths_count_a_rounds_own_work_per_row(model, spec_seconds, draft
     50 one-position forwards a row, no row drafts once a speculative round has been measured; with that work equal
     to a plain round's, rows draft. Lossless either way."""
     eng = _engine(model, pool=["pld:L=4", "suffix:L=4"], policy="ucbspec", length="cost")
-    eng.block_steps = lambda B, W, context: 1.0 + 0.01 * (W - 1)
+    eng.block_steps = lambda B, W, context, n=None: 1.0 + 0.01 * (W - 1)
     eng.cost.seconds_at = lambda n, context: 1e-3  # a one-position forward of the batch: 1 ms
     ids = [eng.add(p, 16) for p in PROMPTS[:4]]
     done = {}
@@ -362,17 +364,38 @@ def test_block_cost_is_a_ratio_read_where_both_widths_were_measured(model):
 
 
 def test_block_cost_is_read_at_its_own_batch_size_where_that_size_measured_it(model):
-    """c_B(W) = t_B(W) / t_B(1) where batch size B measured both widths (16 rows × 2 positions read the KV of 16
+    """c_B(W) = t_B(B·W) / t_B(B) where batch size B measured both sizes (16 rows × 2 positions read the KV of 16
     rows, not of the 8 rows whose 4-wide blocks measured the shared t(32)); the shared curve where it did not."""
     eng = _engine(model, pool=["none"], policy="fixed:arm=0", length="cost")
     for B, W, t in ((8, 1, 0.080), (8, 2, 0.096), (8, 4, 0.125), (16, 1, 0.100)):
-        eng._observe_cost(B, W, 300, t)
+        eng._observe_cost(B, B * W, 300, t)
     # shared: t(32) / t(16), the latter the median of 8 rows × 2 and 16 rows × 1
     assert eng.block_steps(16, 2, 300) == pytest.approx(0.125 / 0.098)
-    eng._observe_cost(16, 2, 300, 0.137)
+    eng._observe_cost(16, 32, 300, 0.137)
     assert eng.block_steps(16, 2, 300) == pytest.approx(1.37)  # its own measurement
     assert eng.block_steps(8, 2, 300) == pytest.approx(1.2)
-    assert eng.cost.seconds(32, 300) == pytest.approx(0.131) and eng.cost_at[16].seconds(2, 300) == 0.137  # both kept
+    assert eng.cost.seconds(32, 300) == pytest.approx(0.131) and eng.cost_at[16].seconds(32, 300) == 0.137  # both
+
+
+def test_a_packed_block_costs_its_real_positions_a_padded_one_every_rows_width(model):
+    """An engine that feeds blocks packed (decode/core/ragged.py) costs a block 3 wide in which 4 of 16 rows draft
+    two tokens at its 24 real positions, not at 48; one that feeds them padded (another attention) at 48. The joint
+    length then lets a few rows draft as long as they pay, where a padded block would have charged every row."""
+    eng = _engine(model, pool=["none"], policy="fixed:arm=0", length="cost")
+    assert eng.ragged  # our attention: blocks go packed
+    for n, t in ((16, 0.100), (24, 0.102), (32, 0.117), (48, 0.150)):
+        eng._observe_cost(16, n, 300, t)
+    assert eng.block_steps(16, 3, 300, 24) == pytest.approx(1.02)
+    assert eng.block_steps(16, 3, 300) == pytest.approx(1.5)  # every row 3 wide
+    eng.rows = [None] * 16  # modelled_steps reads the batch size only
+    eng.overhead_steps = lambda B, w, one, **_: 0.0
+    steps = eng.modelled_steps(300, 0)
+    alphas, caps = [0.3] * 4 + [0.0] * 12, [2] * 4 + [0] * 12  # four rows may draft two tokens, twelve none
+    assert joint_length(alphas, caps, steps) == 2  # 16 + 4 × 1.39 tokens for 1.02 steps
+    eng.ragged = False
+    assert eng.block_steps(16, 3, 300, 24) == pytest.approx(1.5)
+    assert joint_length(alphas, caps, steps) == 0  # padded: 17.6 tokens for 1.5 steps (17.2 for 1.17) lose to 16
+    eng.rows = []
 
 
 def test_a_modules_forward_is_costed_at_the_number_of_rows_drafting_with_it(model):
@@ -382,7 +405,7 @@ def test_a_modules_forward_is_costed_at_the_number_of_rows_drafting_with_it(mode
     assert eng.module_seconds_at(4) is None
     eng.module_seconds = {2: 0.005, 16: 0.010}
     assert [eng.module_seconds_at(n) for n in (16, 12, 3, 9)] == [0.010, 0.010, 0.005, 0.005]
-    eng.block_steps = lambda B, W, context: 1.0
+    eng.block_steps = lambda B, W, context, n=None: 1.0
     eng.overhead_steps = lambda B, w, one, **_: 0.0
     eng._one_seconds = lambda B, context: 0.1
     assert eng._steps(300, 16)(3) == pytest.approx(1 + 3 * 0.010 / 0.1)
@@ -438,7 +461,7 @@ def test_counterfactual_feedback_is_measured_apart_from_a_rounds_own_work(model,
     shared = build_policy("router:carry=true", len(POOL), 4)
     eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared, Verifier(GREEDY, "torch"),
                       length="cost")
-    eng.block_steps = lambda B, W, context: float(W)  # after the first rounds nothing pays: plain rounds settle
+    eng.block_steps = lambda B, W, context, n=None: float(W)  # after the first rounds nothing pays: plain rounds settle
     eng.overhead_steps = lambda B, w, one, **_: 0.0
     eng.generate(PROMPTS, 16, max_batch=4)
     assert sum(h.plain for h in eng.history) > 3
@@ -501,7 +524,7 @@ def test_the_gate_charges_the_counterfactual_drafts_it_would_let_rows_make(model
     shared = build_policy("router:carry=true", len(POOL), 4)
     eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared, Verifier(GREEDY, "torch"),
                       length="cost")
-    eng.block_steps = lambda B, W, context: 1.0 + 0.01 * (W - 1)
+    eng.block_steps = lambda B, W, context, n=None: 1.0 + 0.01 * (W - 1)
     eng.overhead_steps = lambda B, w, one, **_: 0.0
     rows = eng.generate(PROMPTS, 16, max_batch=4)
     for p, r in zip(PROMPTS, rows):

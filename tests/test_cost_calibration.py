@@ -37,7 +37,7 @@ def test_the_correction_is_read_at_its_batch_size_else_over_all_sizes_and_scales
     assert eng.calibration(16, DRAFTING) == 1.2
     assert eng.calibration(4, DRAFTING) == pytest.approx(1.18)  # the median over every batch size
     assert eng.calibration(8, PLAIN) == 1.0
-    eng.modelled_steps = lambda context, modules, **_: (lambda w: 1.0 + 0.25 * (w - 1))
+    eng.modelled_steps = lambda context, modules, **_: (lambda w, n=None: 1.0 + 0.25 * (w - 1))
     eng.rows = [None] * 16
     steps = eng._steps(300, 0)
     assert steps(1) == pytest.approx(1.0) and steps(2) == pytest.approx(1.25 * 1.2)
@@ -48,7 +48,7 @@ def test_rounds_that_cost_more_than_modelled_stop_the_rows_drafting(model):
     drafting round is made 30 ms slower: the rounds measure that against the model and the rows stop drafting.
     Lossless either way."""
     eng = _engine(model)
-    eng.block_steps = lambda B, W, context: 1.0 + 0.01 * (W - 1)
+    eng.block_steps = lambda B, W, context, n=None: 1.0 + 0.01 * (W - 1)
     eng.overhead_steps = lambda B, w, one, **_: 0.0
     eng.acceptance.rng = None
     eng.acceptance.shared = {0: [50.0, 5.0]}
@@ -86,7 +86,7 @@ def test_drafting_is_weighed_against_a_closed_rounds_work_and_correction(model):
     assert eng.overhead_steps(16, 1, 0.1, closed=True) == pytest.approx(0.03)
     assert eng.overhead_steps(16, 1, 0.1) == pytest.approx(0.056)
     assert eng.overhead_steps(16, 2, 0.1, closed=True) == pytest.approx(0.056)  # no drafting round yet: a plain one's
-    eng.block_steps = lambda B, W, context: 1.0 + 0.25 * (W - 1)
+    eng.block_steps = lambda B, W, context, n=None: 1.0 + 0.25 * (W - 1)
     eng._one_seconds = lambda B, context: 0.1
     eng.rows = [None] * 16
     assert eng._steps(300, 0)(1) == pytest.approx(1.03 * 0.95)
@@ -99,7 +99,7 @@ def test_rounds_are_recorded_by_kind(model):
     a full step each no draft can pay, so after the first round (chosen before the curve has two sizes) the gate
     closes. Lossless."""
     eng = _engine(model)
-    eng.block_steps = lambda B, W, context: float(W)
+    eng.block_steps = lambda B, W, context, n=None: float(W)
     rows = eng.generate(PROMPTS, 12, max_batch=4)
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 12), p

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import ragged
 from .models import weight_sharing_copy
 
 NAME = "adaspec_gqa_sdpa"
@@ -38,7 +39,18 @@ GROUPED_MATMUL_MAX = 8  # the most query positions :func:`grouped_attention` tak
 def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                        is_causal=None, **kwargs):
     """transformers' ``sdpa`` attention, except that a masked forward of a grouped-query layer passes the
-    key/value heads to SDPA as they are (``enable_gqa``) instead of repeating them."""
+    key/value heads to SDPA as they are (``enable_gqa``) instead of repeating them; a packed block's queries
+    (decode/core/ragged.py) are attended padded and their outputs packed again."""
+    packing = ragged.active()  # a batched round's block fed packed: attention sees it padded (decode/core/ragged.py)
+    if packing is None:
+        return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    out, weights = _attention(module, packing.unpack_heads(query), key, value, attention_mask, dropout, scaling,
+                              is_causal, **kwargs)
+    return packing.pack(out), weights
+
+
+def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+               **kwargs):
     groups = getattr(module, "num_key_value_groups", 1)
     plain = (attention_mask is None or groups <= 1 or query.device.type != "cpu" or kwargs.get("softcap") is not None
              or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None)
@@ -90,6 +102,16 @@ def gqa_attention_model(model: torch.nn.Module, *, in_place: bool = False) -> to
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     device = next(model.parameters()).device
     if getattr(model.config, "_attn_implementation", None) != "sdpa" or kv == heads or device.type != "cpu":
+        return model
+    return our_attention_model(model, in_place=in_place)
+
+
+def our_attention_model(model: torch.nn.Module, *, in_place: bool = False) -> torch.nn.Module:
+    """``model`` running :func:`gqa_sdpa_attention` (``model`` itself where it does already; else a weight-sharing
+    copy, or ``model`` changed with ``in_place``). Whatever the device and heads: where the grouped path does not
+    apply it runs transformers' ``sdpa`` as it is, and a batched round's packed block (decode/core/ragged.py) needs
+    this attention to unpack it."""
+    if getattr(model.config, "_attn_implementation", None) == NAME:
         return model
     _register()
     fast = model if in_place else weight_sharing_copy(model)

@@ -75,6 +75,7 @@ its trees. Arms that draft serially only (EAGLE trees, K sampled chains) are ref
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import time
@@ -91,10 +92,13 @@ from ..choose.feedback import CounterfactualScorer, PendingRound, show
 from ..choose.policies.base import Policy
 from ..common.device import synchronize
 from ..common.errors import UserError
+from ..core import ragged
+from ..core.attention import NAME as GQA_ATTENTION
 from ..core.cost import CostCurve
 from ..core.draft import Draft, Outcome, RoundRecord
 from ..core.tree import ancestor_matrix, draft_depth
 from ..core.linear import PackedLinear, pack_arm_linears
+from ..core.ragged import Packing, UnpackedStates
 from ..core.row_cache import RowCache
 from ..core.target import crop_cache
 from ..core.verify import Verifier, greedy_next
@@ -396,18 +400,30 @@ def _widest(lengths: Lengths) -> int:
     return lengths if isinstance(lengths, int) else max(lengths, default=0)
 
 
-def joint_length(alphas: list[float], caps: list[Lengths], cost: Callable[[int], float]) -> int:
+def _nodes(K: int, lengths: Lengths) -> int:
+    """How many draft positions a row's draft cut to its first K positions holds (a union's: its chains' nodes)."""
+    return min(K, lengths if isinstance(lengths, int) else sum(lengths))
+
+
+# a round's cost in one-position forwards of the batch: of its block's width w and n real positions in it (None:
+# every row fills the block)
+Cost = Callable[[int, int | None], float]
+
+
+def joint_length(alphas: list[float], caps: list[Lengths], cost: Cost) -> int:
     """The draft length K every row drafts (up to its cap) that maximises the batch's expected tokens per unit of
-    cost: argmax_K Σ_r E(α_r, depth_r(K)) / cost(1 + K), depth_r(K) = :func:`tree_depth` (a chain's min(K, cap_r));
-    the shortest K among ties."""
+    cost: argmax_K Σ_r E(α_r, depth_r(K)) / cost(1 + K, n(K)), depth_r(K) = :func:`tree_depth` (a chain's
+    min(K, cap_r)), n(K) = Σ_r (1 + the row's positions cut to K): a packed block costs its real positions, so a
+    few rows drafting long cost what they add, not a block that wide for every row; the shortest K among ties."""
     return best_length(alphas, caps, cost)[0]
 
 
-def best_length(alphas: list[float], caps: list[Lengths], cost: Callable[[int], float]) -> tuple[int, float]:
+def best_length(alphas: list[float], caps: list[Lengths], cost: Cost) -> tuple[int, float]:
     """:func:`joint_length`'s K and the expected tokens per unit of cost it gives."""
     best, best_value = 0, -1.0
     for K in range(max(map(_widest, caps), default=0) + 1):
-        value = sum(expected_tokens(a, tree_depth(K, c)) for a, c in zip(alphas, caps)) / cost(1 + K)
+        n = sum(1 + _nodes(K, c) for c in caps)
+        value = sum(expected_tokens(a, tree_depth(K, c)) for a, c in zip(alphas, caps)) / cost(1 + K, n)
         if value > best_value * (1 + 1e-9):
             best, best_value = K, value
     return best, best_value
@@ -479,6 +495,10 @@ class BatchEngine:
         self._next = 0
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # blocks with padding are fed packed (their real slots only: decode/core/ragged.py) where the target runs
+        # our attention, which unpacks them (the run model on a CPU: decode/engine/loop.py target_run_model); a
+        # target on any other attention is fed padded blocks
+        self.ragged = getattr(model.config, "_attn_implementation", None) == GQA_ATTENTION
         # the target runs oneDNN-packed linears: the arms' modules are packed too, never the stock target's own
         # (``stock_model``, whose layers an early-exit stack runs; unknown = arms' modules stay as they are)
         self.packed = any(isinstance(m, PackedLinear) for m in model.modules()) and stock_model is not None
@@ -643,7 +663,8 @@ class BatchEngine:
         B = len(self.rows)
         # what the model charges for this round as it is played, in seconds (before the forward updates the curve)
         one = self._one_seconds(B, context) if self.length == "cost" else None
-        modelled = self.modelled_steps(context, len(module_rows), closed=plain)(W) * one if one else None  # as played
+        n = sum(lens)  # the block's real positions (a packed block's forward scores these only)
+        modelled = self.modelled_steps(context, len(module_rows), closed=plain)(W, n) * one if one else None  # played
         ids = torch.full((B, W), self.pad_id, dtype=torch.long)
         pos = torch.zeros(B, W, dtype=torch.long)
         block_valid = torch.zeros(B, W, dtype=torch.bool)
@@ -662,7 +683,7 @@ class BatchEngine:
         t1 = time.perf_counter()
         logits, seconds, hidden = self._forward(ids, pos, block_valid, hidden=any(map(_needs_hidden, self.rows)),
                                                 within=within)
-        self._observe_cost(B, W, context, seconds)
+        self._observe_cost(B, n if self.ragged else B * W, context, seconds)
         keep = torch.zeros(B, W, dtype=torch.bool)
         accepted = []
         step = self._one_step_seconds(B, context, seconds / W)
@@ -788,7 +809,7 @@ class BatchEngine:
         return alphas, caps
 
     def _module_rows_draft(self, alphas: list[float], caps: list[int], picks: list[int],
-                           context: int) -> tuple[list[int], Callable[[int], float], int]:
+                           context: int) -> tuple[list[int], Cost, int]:
         """(caps, cost, the joint K on those caps) for this round: with the rows whose arm drafts with a module
         drafting, their module's forwards counted (:meth:`_steps`), or those rows not drafting at all, whichever
         expects more tokens per unit of cost; the other rows' cheap drafts stay possible either way."""
@@ -803,7 +824,7 @@ class BatchEngine:
         K_without, value_without = best_length(alphas, [0 if m else s for m, s in zip(modules, shapes)], plain)
         return (without, plain, K_without) if value_without >= value else (caps, steps, K)
 
-    def _steps(self, context: int, modules: int, counterfactual: int = 0) -> Callable[[int], float]:
+    def _steps(self, context: int, modules: int, counterfactual: int = 0) -> Cost:
         """:meth:`modelled_steps`, corrected by what rounds at this batch size cost against it (:meth:`calibration`):
         for w > 1 a drafting round's, for w = 1 a closed round's (what drafting is weighed against: ``CLOSED``),
         each with its own work and correction; with ``counterfactual`` rows whose full-information feedback a
@@ -815,7 +836,7 @@ class BatchEngine:
         plain, spec = self.calibration(B, CLOSED), self.calibration(B, DRAFTING)
         one = self._one_seconds(B, context) if counterfactual else None
         extra = counterfactual * self.counterfactual_seconds() / one if one else 0.0
-        return lambda w: model(w) * spec + extra if w > 1 else model(w) * plain
+        return lambda w, n=None: model(w, n) * spec + extra if w > 1 else model(w, n) * plain
 
     def counterfactual_seconds(self) -> float:
         """Seconds of a full-information policy's feedback per row that drafts counterfactually: the proposals of
@@ -857,12 +878,12 @@ class BatchEngine:
                 return statistics.median(pooled)
         return 1.0
 
-    def modelled_steps(self, context: int, modules: int, closed: bool = False) -> Callable[[int], float]:
-        """The modelled cost of a round whose block is w positions per row, in one-position forwards of the batch:
-        the block's c_B(w), plus, when ``modules`` rows draft with a module (an EAGLE head, a drafter), the module's w
-        forwards (a catch-up and w - 1 draft steps) at their measured seconds for that many rows
-        (:meth:`module_seconds_at`): at large B a head's steps cost as much as the block's extra positions, and a
-        length that ignored them speculated at a loss. Plus the round's own work
+    def modelled_steps(self, context: int, modules: int, closed: bool = False) -> Cost:
+        """The modelled cost of a round whose block is w positions per row, n of them real (None: every row fills
+        the block), in one-position forwards of the batch: the block's c_B(w, n), plus, when ``modules`` rows draft
+        with a module (an EAGLE head, a drafter), the module's w forwards (a catch-up and w - 1 draft steps) at their
+        measured seconds for that many rows (:meth:`module_seconds_at`): at large B a head's steps cost as much as
+        the block's extra positions, and a length that ignored them speculated at a loss. Plus the round's own work
         (:meth:`round_work`: a drafting round's when w > 1, else a plain round's, or with ``closed`` a closed
         round's), which at B = 16 on the EPYC was 1.7 ms a row in drafting rounds against 0.45 ms in plain ones, a
         third of a forward."""
@@ -872,8 +893,8 @@ class BatchEngine:
 
         work = {w > 1: self.overhead_steps(B, w, one, closed=closed) for w in (1, 2)}
 
-        def steps(w: int) -> float:
-            total = self.block_steps(B, w, context) + work[w > 1]
+        def steps(w: int, n: int | None = None) -> float:
+            total = self.block_steps(B, w, context, n) + work[w > 1]
             if module and w > 1 and one:
                 total += module * w / one
             return total
@@ -890,7 +911,7 @@ class BatchEngine:
         """Seconds of a one-position forward of B rows near ``context``: this batch size's own t_B(1) where measured,
         else the shared t(B)."""
         own = self.cost_at.get(B)
-        t = None if own is None else own.seconds(1, context)
+        t = None if own is None else own.seconds(B, context)
         return t if t is not None else self.cost.seconds_at(B, context)
 
     def overhead_steps(self, B: int, w: int, one: float | None, closed: bool = False) -> float:
@@ -934,28 +955,32 @@ class BatchEngine:
             return B * statistics.linear_regression(xs, ys, proportional=True).slope
         return a + slope * B
 
-    def _observe_cost(self, B: int, W: int, context: int, seconds: float) -> None:
-        """A forward of B rows × W positions took ``seconds``: the shared t(B·W) and this batch size's t_B(W)."""
-        self.cost.observe(B * W, context, seconds)
-        self.cost_at.setdefault(B, CostCurve()).observe(W, context, seconds)
+    def _observe_cost(self, B: int, n: int, context: int, seconds: float) -> None:
+        """A forward of B rows scoring n positions in all took ``seconds``: the shared t(n) and this batch size's
+        t_B(n) (n = B·W for a padded block of W; a packed one's real positions)."""
+        self.cost.observe(n, context, seconds)
+        self.cost_at.setdefault(B, CostCurve()).observe(n, context, seconds)
 
-    def block_steps(self, B: int, W: int, context: int) -> float:
-        """c_B(W): a forward of a block W wide over B rows, in forwards of one position per row: t_B(W) / t_B(1)
-        where this batch size measured widths around both in one context bucket, else t(B·W) / t(B) of the shared
-        curve from the nearest context bucket that measured sizes around both (:meth:`CostCurve.growth`), else from
-        absolute times each read where they were measured (W itself while nothing is measured: every position a
-        full forward)."""
-        if W == 1:
+    def block_steps(self, B: int, W: int, context: int, n: int | None = None) -> float:
+        """c_B(W, n): a forward of a block W wide over B rows, ``n`` of its positions real, in forwards of one
+        position per row. A packed block (decode/core/ragged.py) costs what its n real positions cost, a padded one
+        B·W (``n`` None: every row fills the block; an engine feeding padded blocks reads B·W whatever ``n``):
+        t_B(n) / t_B(B) where this batch size measured sizes around both in one context bucket, else t(n) / t(B) of
+        the shared curve from the nearest context bucket that measured sizes around both
+        (:meth:`CostCurve.growth`), else from absolute times each read where they were measured (n / B while
+        nothing is measured: every position a full forward)."""
+        n = B * W if n is None or not self.ragged else n
+        if n <= B:
             return 1.0
         own = self.cost_at.get(B)
-        ratio = None if own is None else own.growth(1, W, context)
+        ratio = None if own is None else own.growth(B, n, context)
         if ratio is not None:
             return ratio
-        ratio = self.cost.growth(B, B * W, context)
+        ratio = self.cost.growth(B, n, context)
         if ratio is not None:
             return ratio
         one = self.cost.seconds_at(B, context)
-        return self.cost.seconds_at(B * W, context) / one if one else float(W)
+        return self.cost.seconds_at(n, context) / one if one else n / B
 
     def _block_steps(self, n: int) -> float:
         """c(n) for a policy with ``uses_cost``: a block n wide over the current batch (1.0 while nothing is
@@ -983,7 +1008,7 @@ class BatchEngine:
             block = torch.ones(B, w, dtype=torch.bool)
             pos = torch.tensor([len(r.ctx) - 1 for r in self.rows])[:, None] + torch.arange(w)
             _, seconds, _ = self._forward(last[:, None].expand(B, w), pos, block)
-            self._observe_cost(B, w, context, seconds)
+            self._observe_cost(B, B * w, context, seconds)
             self.cache.commit(torch.zeros(B, w, dtype=torch.bool))  # the probe's slots are never visible again
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, block_valid: torch.Tensor,
@@ -997,11 +1022,18 @@ class BatchEngine:
         self.cache.reserve(block_valid.shape[1], self.dtype, self.device)  # one-off when it grows: not the round's own
         self._housekeeping += time.perf_counter() - t
         t = time.perf_counter()
-        with torch.inference_mode():
+        packing = Packing.of(block_valid) if self.ragged and not bool(block_valid.all()) else None
+        if packing is not None:  # the real slots only, row-major (decode/core/ragged.py)
+            ids, pos = packing.pack(ids), packing.pack(pos)
+        with torch.inference_mode(), ragged.packed(packing.to(self.device)) if packing else contextlib.nullcontext():
             out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
                              past_key_values=self.cache.hf, use_cache=True, output_hidden_states=hidden)
+            logits, states = out.logits, out.hidden_states if hidden else None
+            if packing is not None:  # nothing reads a padding slot's logits; hidden states are unpacked when read
+                logits = packing.unpack(logits, fill=False)
+                states = None if states is None else UnpackedStates(states, packing)
         synchronize(self.device)
-        return out.logits, time.perf_counter() - t, out.hidden_states if hidden else None
+        return logits, time.perf_counter() - t, states
 
     def _fed_seconds(self) -> float:
         """Seconds the drafters have spent feeding rows' prompts alone (``BatchDrafter.fed_seconds``)."""
