@@ -4,7 +4,9 @@ policy and its own instances of the pool's arms; the target scores every row in 
 A round: every row's policy picks an arm, the arm drafts up to ``min(L, remaining - 1)`` tokens for that row
 (``none`` drafts nothing: a plain step), the rows' blocks ``[last token] + draft`` are right-padded to the widest,
 the target scores the ``[B, W]`` block with per-row position ids and a per-row additive mask, the verifier accepts
-per row, and each row commits its tokens, rolls its cache back and updates its own policy.
+per row, and each row commits its tokens, rolls its cache back and updates its own policy. A block with padding is
+fed packed where the target runs our attention (decode/core/ragged.py): the row-wise layers (projections, MLP, LM
+head) compute its real slots only, and only attention sees it padded.
 
 Cache (:class:`~decode.core.row_cache.RowCache`): one pre-allocated KV cache ``[B, heads, T, dim]`` for all rows
 and a validity mask ``[B, T]``. A forward appends W slots to every row (its block, padded); afterwards a row keeps
@@ -16,13 +18,13 @@ Lossless per row: a row's tokens are what the verifier accepts from that row's o
 that row's visible slots; so its greedy output equals its plain greedy decoding whatever its batch-mates do, up to
 the float rounding of another batch shape (tests/test_batch_engine.py checks it on a float64 target).
 
-Lengths (``length="cost"``, issue 32 §2): the round's cost is its block's, B rows × W positions. One
-:class:`~decode.core.cost.CostCurve` holds t(n), the seconds of a forward scoring n positions in all, per context
-bucket (on these models a forward's cost follows its total positions: linears multiply B·W rows and attention
-scores B·W queries), refined by every round at whatever B it runs, and seeded by one probe before the first
-choice; c_B(W) = t(B·W) / t(B), so a batch size never seen reads what the others measured (a per-B curve alone
-would need a probe each time a row finishes and B changes); where B itself measured both widths, its own
-t_B(W) / t_B(1) is read instead (the same B·W costs more over more rows, each row's KV read once). Each
+Lengths (``length="cost"``, issue 32 §2): the round's cost is its block's: B rows, n real positions in all (B·W for
+a padded block; a packed one scores its real slots only). One :class:`~decode.core.cost.CostCurve` holds t(n), the
+seconds of a forward scoring n positions in all, per context bucket (on these models a forward's cost follows its
+positions: linears multiply n rows), refined by every round at whatever B it runs, and seeded by one probe before
+the first choice; c_B(W, n) = t(n) / t(B), so a batch size never seen reads what the others measured (a per-B curve
+alone would need a probe each time a row finishes and B changes); where B itself measured both sizes, its own
+t_B(n) / t_B(B) is read instead (the same n costs more over more rows, each row's KV read once). Each
 row's chosen arm has an acceptance estimate α (per position; the pool's statistics are shared across rows, so what
 request N learnt steers request N + 1, and a row's own rounds refine its estimate; the shared part is drawn from its
 posterior each round, Thompson sampling, so an arm whose first drafts were unlucky is tried again:
@@ -35,18 +37,19 @@ whose arm could draft but to which the joint length gave nothing does not teach 
 choice is made on every row's cap (its arm's L): when even that gives K = 0, no row drafts at all (a real draft is
 at most its cap, so it could not pay either; at large B most rounds are such, and their lookups were pure loss).
 Otherwise every row drafts up to its cap (model-free drafting is cheap), then all drafts are cut to one K chosen
-jointly for the batch on the lengths d_r actually drafted, to maximise Σ_rows E_r(min(K, d_r)) / c_B(1 + K) with
-E(k) = 1 + α + … + α^k (the expected tokens of a chain whose positions each survive with α). When a row's arm drafts
-with a module (an EAGLE head, a drafter, a union holding one), the cost adds that module's forwards (a catch-up and
-one per draft position, at the seconds the rounds measured), and the module's rows are left out of the round when
-the others' cheap drafts alone expect more per unit of cost. The cost also counts the round's own work per row
-outside the forwards (policies, lookups, verification, commits, compaction), measured apart for rounds in which rows
-drafted, rounds in which rows chose and none drafted, and rounds the gate made plain (what drafting is weighed
-against), as a fixed part and a part per row; a full-information policy's counterfactual
-drafts and their scoring are measured apart again, per row, and charged to speculation only where the gate would
-let the rows make them. A module's forward is costed at the number of rows drafting with it, and the whole is
-corrected per batch size by what such rounds measured against it (:meth:`BatchEngine.calibration`). As B grows the
-block's cost rises with W, and speculation backs off by itself; it returns when the batch shrinks.
+jointly for the batch on the lengths d_r actually drafted, to maximise Σ_rows E_r(min(K, d_r)) / c_B(1 + K, n(K))
+with n(K) = Σ_rows (1 + min(K, d_r)) (a few rows drafting long cost what they add) and E(k) = 1 + α + … + α^k (the
+expected tokens of a chain whose positions each survive with α). When a row's arm drafts with a module (an EAGLE
+head, a drafter, a union holding one), the cost adds that module's forwards (a catch-up and one per draft position,
+at the seconds the rounds measured), and the module's rows are left out of the round when the others' cheap drafts
+alone expect more per unit of cost. The cost also counts the round's own work per row outside the forwards
+(policies, lookups, verification, commits, compaction), measured apart for rounds in which rows drafted, rounds in
+which rows chose and none drafted, and rounds the gate made plain (what drafting is weighed against), as a fixed
+part and a part per row; a full-information policy's counterfactual drafts and their scoring are measured apart
+again, per row, and charged to speculation only where the gate would let the rows make them. A module's forward is
+costed at the number of rows drafting with it, and the whole is corrected per batch size by what such rounds
+measured against it (:meth:`BatchEngine.calibration`). As B grows the block's cost rises with its positions, and
+speculation backs off by itself; it returns when the batch shrinks.
 ``length="fixed"``: every row drafts its arm's L. The schedules production engines use, as baselines:
 ``length="schedule:1-2=4,3-4=2,5-=0"`` (vLLM's ``num_speculative_tokens_per_batch_size``, TensorRT-LLM's
 ``draft_len_schedule``: K from the batch size alone) and ``length="ema:1,2,4"`` (SGLang's ``--speculative-adaptive``
@@ -475,10 +478,10 @@ class BatchEngine:
         # round of the engine (a server's, an evaluation method's across its segments). c_B(W) = t(B·W) / t(B)
         # (:meth:`block_steps`)
         self.cost = CostCurve()
-        # t_B(W) per batch size B (n = W positions a row): at the same B·W a block's forward differs with its rows
+        # t_B(n) per batch size B (n positions scored in all): at the same n a block's forward differs with its rows
         # (each row's KV is read once per forward): on the AMX Xeon 16 rows × 2 positions took 135-139 ms where the
         # shared t(32), measured mostly on 8 rows × 4, read 117, and the router drafted at B = 16 at a loss. Read
-        # first where this B measured both widths (:meth:`block_steps`); the shared curve covers the rest
+        # first where this B measured both sizes (:meth:`block_steps`); the shared curve covers the rest
         self.cost_at: dict[int, CostCurve] = {}
         self.acceptance = Acceptance(rng=random.Random(seed))  # Thompson draws (:class:`Acceptance`)
         self.model = model
