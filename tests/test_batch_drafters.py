@@ -29,7 +29,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 9, 11, 7, 9], [5], [3, 3, 8
 
 
 @pytest.fixture(scope="module")
-def model():  # the engine feeds padded blocks packed with our attention (decode/core/ragged.py), as a CPU run
+def model():  # the engine feeds padded blocks ragged with our attention (decode/core/ragged.py), as a CPU run
     # float64: no near-tie flips between shapes
     return our_attention_model(tiny_llama(vocab=64, layers=4, seed=3, peaked=4.0).double())
 

@@ -44,7 +44,7 @@ def _pin_cost(eng: BatchEngine, steps=lambda W: 1.0 + 0.05 * (W - 1)) -> None:
 
 
 @pytest.fixture(scope="module")
-def model():  # the engine feeds padded blocks packed with our attention (decode/core/ragged.py), as a CPU run
+def model():  # the engine feeds padded blocks ragged with our attention (decode/core/ragged.py), as a CPU run
     # float64: no near-tie flips between shapes
     return our_attention_model(tiny_llama(vocab=64, layers=2, seed=3, peaked=4.0).double())
 
@@ -377,12 +377,12 @@ def test_block_cost_is_read_at_its_own_batch_size_where_that_size_measured_it(mo
     assert eng.cost.seconds(32, 300) == pytest.approx(0.131) and eng.cost_at[16].seconds(32, 300) == 0.137  # both
 
 
-def test_a_packed_block_costs_its_real_positions_a_padded_one_every_rows_width(model):
-    """An engine that feeds blocks packed (decode/core/ragged.py) costs a block 3 wide in which 4 of 16 rows draft
+def test_a_ragged_block_costs_its_real_positions_a_padded_one_every_rows_width(model):
+    """An engine that feeds blocks ragged (decode/core/ragged.py) costs a block 3 wide in which 4 of 16 rows draft
     two tokens at its 24 real positions, not at 48; one that feeds them padded (another attention) at 48. The joint
     length then lets a few rows draft as long as they pay, where a padded block would have charged every row."""
     eng = _engine(model, pool=["none"], policy="fixed:arm=0", length="cost")
-    assert eng.ragged  # our attention: blocks go packed
+    assert eng.ragged  # our attention: blocks go ragged
     for n, t in ((16, 0.100), (24, 0.102), (32, 0.117), (48, 0.150)):
         eng._observe_cost(16, n, 300, t)
     assert eng.block_steps(16, 3, 300, 24) == pytest.approx(1.02)
@@ -456,7 +456,7 @@ def test_counterfactual_feedback_is_measured_apart_from_a_rounds_own_work(model,
     from decode.choose.feedback import CounterfactualScorer
 
     settle = CounterfactualScorer.settle
-    monkeypatch.setattr(CounterfactualScorer, "settle", lambda *a, **k: (_time.sleep(0.03), settle(*a, **k))[1])
+    monkeypatch.setattr(CounterfactualScorer, "settle", lambda *a, **k: (_time.sleep(0.2), settle(*a, **k))[1])
     env = ArmEnv(model, TinyTokenizer(model.config.vocab_size), GREEDY)
     shared = build_policy("router:carry=true", len(POOL), 4)
     eng = BatchEngine(model, lambda: [build_arm(s, env) for s in POOL], lambda K: shared, Verifier(GREEDY, "torch"),
@@ -465,11 +465,11 @@ def test_counterfactual_feedback_is_measured_apart_from_a_rounds_own_work(model,
     eng.overhead_steps = lambda B, w, one, **_: 0.0
     eng.generate(PROMPTS, 16, max_batch=4)
     assert sum(h.plain for h in eng.history) > 3
-    # rounds the gate closed, and rounds whose rows looked up but drafted nothing: a settle left in would read 7 ms a
-    # row at least
-    assert all(eng.row_overhead[kind] < 0.005 for kind in (CLOSED, PLAIN) if kind in eng.row_overhead)
+    # rounds the gate closed, and rounds whose rows looked up but drafted nothing: a settle left in would read 50 ms
+    # a row at least (the sleep is long so that a slow machine's own work, a few ms a row, stays far below it)
+    assert all(eng.row_overhead[kind] < 0.025 for kind in (CLOSED, PLAIN) if kind in eng.row_overhead)
     assert CLOSED in eng.row_overhead
-    assert eng.counterfactual_seconds() >= 0.03  # every row that drafted counterfactually settled once at least
+    assert eng.counterfactual_seconds() >= 0.2  # every row that drafted counterfactually settled once at least
 
 
 @pytest.mark.parametrize("steps, speculates", [(lambda W: float(W), False), (lambda W: 1.0 + 0.01 * (W - 1), True)])

@@ -1,4 +1,4 @@
-"""Packed blocks (decode/core/ragged.py): a batched round's block fed as its real slots only scores every real slot
+"""Ragged blocks (decode/core/ragged.py): a batched round's block fed as its real slots only scores every real slot
 as the padded block does, writes the same keys and values into each row's slots, and is what the engine feeds where
 the target runs our attention."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 from decode.choose.arms import ArmEnv, build_arm
 from decode.choose.policies import build_policy
 from decode.core.attention import our_attention_model
-from decode.core.ragged import Packing
+from decode.core.ragged import RaggedBlock
 from decode.core.sampling import SamplingConfig
 from decode.core.verify import Verifier
 from decode.engine.batch import BatchEngine
@@ -19,25 +19,25 @@ def model():
     return our_attention_model(tiny_llama(vocab=64, layers=2, seed=3, peaked=4.0).double())
 
 
-def _engine(model):
+def _engine(model, **kw):
     env = ArmEnv(model, TinyTokenizer(64), SamplingConfig())
     return BatchEngine(model, lambda: [build_arm("none", env)], lambda K: build_policy("fixed:arm=0", K, 1),
-                       Verifier(SamplingConfig(), "torch"))
+                       Verifier(SamplingConfig(), "torch"), **kw)
 
 
 def test_packing_round_trips_a_blocks_real_slots():
     valid = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
-    p = Packing.of(valid)
+    p = RaggedBlock.of(valid)
     x = torch.arange(9.0).view(3, 3, 1)
-    packed = p.pack(x)
-    assert p.n == 6 and packed.flatten().tolist() == [0, 1, 3, 6, 7, 8]  # row-major, real slots only
-    assert torch.equal(p.unpack(packed)[valid], x[valid]) and not p.unpack(packed)[~valid].any()
+    ragged = p.gather(x)
+    assert p.n == 6 and ragged.flatten().tolist() == [0, 1, 3, 6, 7, 8]  # row-major, real slots only
+    assert torch.equal(p.scatter(ragged)[valid], x[valid]) and not p.scatter(ragged)[~valid].any()
     heads = torch.arange(2 * 6 * 4.0).view(1, 2, 6, 4)  # [1, heads, N, dim] → [B, heads, W, dim]
-    assert torch.equal(p.unpack_heads(heads)[2, :, 1], heads[0, :, 4])
+    assert torch.equal(p.scatter_heads(heads)[2, :, 1], heads[0, :, 4])
 
 
 @pytest.mark.parametrize("hidden", [False, True])
-def test_a_packed_forward_scores_and_caches_the_real_slots_as_the_padded_one(model, hidden):
+def test_a_ragged_forward_scores_and_caches_the_real_slots_as_the_padded_one(model, hidden):
     eng = _engine(model)
     assert eng.ragged
     for p in ([1, 2, 3, 4, 5], [7, 9], [3, 3, 8, 3, 3, 8, 3], [12, 40]):
@@ -65,7 +65,8 @@ def test_a_packed_forward_scores_and_caches_the_real_slots_as_the_padded_one(mod
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
-def test_the_engine_feeds_padded_blocks_where_the_target_runs_another_attention():
+def test_the_engine_feeds_padded_blocks_where_the_target_runs_another_attention_or_when_told(model):
     m = tiny_llama(vocab=64, layers=1, seed=3)
     m.set_attn_implementation("eager")
     assert not _engine(m).ragged
+    assert _engine(model).ragged and not _engine(model, ragged=False).ragged

@@ -39,14 +39,14 @@ GROUPED_MATMUL_MAX = 8  # the most query positions :func:`grouped_attention` tak
 def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                        is_causal=None, **kwargs):
     """transformers' ``sdpa`` attention, except that a masked forward of a grouped-query layer passes the
-    key/value heads to SDPA as they are (``enable_gqa``) instead of repeating them; a packed block's queries
-    (decode/core/ragged.py) are attended padded and their outputs packed again."""
-    packing = ragged.active()  # a batched round's block fed packed: attention sees it padded (decode/core/ragged.py)
-    if packing is None:
+    key/value heads to SDPA as they are (``enable_gqa``) instead of repeating them; a ragged block's queries
+    (decode/core/ragged.py) are attended padded and their outputs gathered again."""
+    block = ragged.active()  # a batched round's block fed ragged: attention sees it padded (decode/core/ragged.py)
+    if block is None:
         return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    out, weights = _attention(module, packing.unpack_heads(query), key, value, attention_mask, dropout, scaling,
+    out, weights = _attention(module, block.scatter_heads(query), key, value, attention_mask, dropout, scaling,
                               is_causal, **kwargs)
-    return packing.pack(out), weights
+    return block.gather(out), weights
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
@@ -109,7 +109,7 @@ def gqa_attention_model(model: torch.nn.Module, *, in_place: bool = False) -> to
 def our_attention_model(model: torch.nn.Module, *, in_place: bool = False) -> torch.nn.Module:
     """``model`` running :func:`gqa_sdpa_attention` (``model`` itself where it does already; else a weight-sharing
     copy, or ``model`` changed with ``in_place``). Whatever the device and heads: where the grouped path does not
-    apply it runs transformers' ``sdpa`` as it is, and a batched round's packed block (decode/core/ragged.py) needs
+    apply it runs transformers' ``sdpa`` as it is, and a batched round's ragged block (decode/core/ragged.py) needs
     this attention to unpack it."""
     if getattr(model.config, "_attn_implementation", None) == NAME:
         return model

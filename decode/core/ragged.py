@@ -6,19 +6,20 @@ round in which four rows draft two tokens each ran 48 positions through the line
 the AMX Xeon (2 threads, default target, forwards of n one-position rows): 16 rows 103 ms, 24 rows 102–108, 32 rows
 115–119, 48 rows 137–158 — a few rows drafting cost nearly nothing if the padding is not computed.
 
-So the block is fed packed: ``[1, N]`` tokens (the N real slots, row-major) with their own positions, and only what
-is not row-wise sees the padded shape. Two places of our own do that, inside an active :func:`packed` context:
+So the block is fed ragged: ``[1, N]`` tokens (its N real slots, row-major, :meth:`RaggedBlock.gather`) with their
+own positions, and only what is not row-wise sees the padded shape. Two places of our own do that while a
+:func:`running` context is active:
 
-* the row cache's layers (:class:`~decode.core.target.PrefixLayer`) write the packed keys and values into each
-  row's slots of the block (:meth:`Packing.write`): the cache keeps its ``[B, heads, slots, dim]`` layout and the
-  block's padding slots stay invisible, as they were (they were never visible: ``RowCache.attention``);
-* the attention (:func:`~decode.core.attention.gqa_sdpa_attention`) unpacks the queries to ``[B, heads, W, dim]``,
-  attends under the block's mask as before, and packs the outputs back (:meth:`Packing.unpack`, :meth:`Packing.pack`).
+* the row cache's layers (:class:`~decode.core.target.PrefixLayer`) write the N keys and values into each row's
+  slots of the block (:meth:`RaggedBlock.write`): the cache keeps its ``[B, heads, slots, dim]`` layout, and the
+  block's padding slots stay invisible, as they always were (``RowCache.attention``);
+* the attention (:func:`~decode.core.attention.gqa_sdpa_attention`) scatters the queries to ``[B, heads, W, dim]``
+  (:meth:`RaggedBlock.scatter_heads`), attends under the block's mask as before, and gathers the outputs back.
 
 Everything else (embedding, rotary at the slots' positions, norms, projections, MLP, LM head) is row-wise and runs
-on the N packed rows as it would on B × W. A real slot's logits are those of the padded forward up to float
-summation order (another matrix shape, as between any two batch sizes); the tests check equality in float64 and
-greedy losslessness. Needs our attention (the target's run model on a CPU with grouped key/value heads:
+on the N rows as it would on B × W. A real slot's logits are those of the padded forward up to float summation
+order (another matrix shape, as between any two batch sizes); the tests check equality in float64 and greedy
+losslessness. Needs our attention (the target's run model on a CPU with grouped key/value heads:
 :func:`~decode.core.attention.gqa_attention_model`); elsewhere the engine feeds the padded block.
 """
 from __future__ import annotations
@@ -29,12 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-_ACTIVE: ContextVar["Packing | None"] = ContextVar("adaspec_ragged_block", default=None)
+_ACTIVE: ContextVar["RaggedBlock | None"] = ContextVar("adaspec_ragged_block", default=None)
 
 
 @dataclass(frozen=True)
-class Packing:
-    """Where the N packed slots of a ``[B, W]`` block sit: row ``rows[i]``, block slot ``cols[i]`` (row-major)."""
+class RaggedBlock:
+    """Where the N real slots of a ``[B, W]`` block sit: row ``rows[i]``, block slot ``cols[i]`` (row-major)."""
 
     rows: torch.Tensor  # [N] long
     cols: torch.Tensor  # [N] long
@@ -42,7 +43,7 @@ class Packing:
     W: int
 
     @classmethod
-    def of(cls, block_valid: torch.Tensor) -> "Packing":
+    def of(cls, block_valid: torch.Tensor) -> "RaggedBlock":
         rows, cols = block_valid.nonzero(as_tuple=True)
         return cls(rows, cols, *block_valid.shape)
 
@@ -50,52 +51,52 @@ class Packing:
     def n(self) -> int:
         return int(self.rows.numel())
 
-    def to(self, device) -> "Packing":
-        return Packing(self.rows.to(device), self.cols.to(device), self.B, self.W)
+    def to(self, device) -> "RaggedBlock":
+        return RaggedBlock(self.rows.to(device), self.cols.to(device), self.B, self.W)
 
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, W, ...]`` → its real slots ``[1, N, ...]``."""
         return x[self.rows, self.cols][None]
 
-    def unpack(self, x: torch.Tensor, fill: bool = True) -> torch.Tensor:
-        """Packed ``[1, N, ...]`` → ``[B, W, ...]``, padding slots zero (``fill=False``: left unset, for outputs
+    def scatter(self, x: torch.Tensor, fill: bool = True) -> torch.Tensor:
+        """Ragged ``[1, N, ...]`` → ``[B, W, ...]``, padding slots zero (``fill=False``: left unset, for outputs
         whose padding nobody reads, e.g. the logits)."""
         make = x.new_zeros if fill else x.new_empty
         out = make(self.B, self.W, *x.shape[2:])
         out[self.rows, self.cols] = x[0]
         return out
 
-    def unpack_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """Packed per-head states ``[1, heads, N, dim]`` → ``[B, heads, W, dim]`` (padding zero)."""
-        return self.unpack(x.transpose(1, 2)).transpose(1, 2)
+    def scatter_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Ragged per-head states ``[1, heads, N, dim]`` → ``[B, heads, W, dim]`` (padding zero)."""
+        return self.scatter(x.transpose(1, 2)).transpose(1, 2)
 
     def write(self, cache: torch.Tensor, start: int, x: torch.Tensor) -> None:
-        """Write packed keys or values ``x`` ``[1, heads, N, dim]`` into block slots ``start``.. of a row cache's
+        """Write ragged keys or values ``x`` ``[1, heads, N, dim]`` into block slots ``start``.. of a row cache's
         layer ``cache`` ``[B, heads, slots, dim]`` (each slot at its row and its block column)."""
         cache[self.rows, :, start + self.cols] = x[0].transpose(0, 1)
 
 
-def active() -> Packing | None:
-    """The packing of the forward running now (None: the block is fed padded, as every other forward is)."""
+def active() -> RaggedBlock | None:
+    """The block of the forward running now (None: the block is fed padded, as every other forward is)."""
     return _ACTIVE.get()
 
 
 @contextlib.contextmanager
-def packed(packing: Packing):
-    """Within: the row cache's layers and our attention read the target's forward as ``packing``'s packed slots."""
-    token = _ACTIVE.set(packing)
+def running(block: RaggedBlock):
+    """Within: the row cache's layers and our attention read the target's forward as ``block``'s real slots."""
+    token = _ACTIVE.set(block)
     try:
-        yield packing
+        yield block
     finally:
         _ACTIVE.reset(token)
 
 
-class UnpackedStates:
-    """An HF ``hidden_states`` tuple of a packed forward, read as the padded forward's: each entry unpacked to
+class ScatteredStates:
+    """An HF ``hidden_states`` tuple of a ragged forward, read as the padded forward's: each entry scattered to
     ``[B, W, d]`` when read (an EAGLE head reads a few of ~30), once."""
 
-    def __init__(self, states: tuple[torch.Tensor, ...], packing: Packing):
-        self._states, self._packing = states, packing
+    def __init__(self, states: tuple[torch.Tensor, ...], block: RaggedBlock):
+        self._states, self._block = states, block
         self._done: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -104,5 +105,5 @@ class UnpackedStates:
     def __getitem__(self, i: int) -> torch.Tensor:
         i = i % len(self._states)
         if i not in self._done:
-            self._done[i] = self._packing.unpack(self._states[i])
+            self._done[i] = self._block.scatter(self._states[i])
         return self._done[i]

@@ -112,18 +112,18 @@ class PrefixLayer(StaticLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        packing = ragged.active()  # a batched round's block fed packed (decode/core/ragged.py): W slots a row
+        block = ragged.active()  # a batched round's block fed ragged (decode/core/ragged.py): W slots a row
         start = self.filled
-        end = start + (key_states.shape[-2] if packing is None else packing.W)
+        end = start + (key_states.shape[-2] if block is None else block.W)
         if end > self.max_cache_len:
             raise ValueError(f"prefix cache overflow: {end} tokens in {self.max_cache_len} slots (KVCache.reserve "
                              f"grows it before a forward)")
-        if packing is None:
+        if block is None:
             self.keys[:, :, start:end].copy_(key_states)
             self.values[:, :, start:end].copy_(value_states)
         else:
-            packing.write(self.keys, start, key_states)
-            packing.write(self.values, start, value_states)
+            block.write(self.keys, start, key_states)
+            block.write(self.values, start, value_states)
         self.filled = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 

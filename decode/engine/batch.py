@@ -5,7 +5,7 @@ A round: every row's policy picks an arm, the arm drafts up to ``min(L, remainin
 (``none`` drafts nothing: a plain step), the rows' blocks ``[last token] + draft`` are right-padded to the widest,
 the target scores the ``[B, W]`` block with per-row position ids and a per-row additive mask, the verifier accepts
 per row, and each row commits its tokens, rolls its cache back and updates its own policy. A block with padding is
-fed packed where the target runs our attention (decode/core/ragged.py): the row-wise layers (projections, MLP, LM
+fed ragged where the target runs our attention (decode/core/ragged.py): the row-wise layers (projections, MLP, LM
 head) compute its real slots only, and only attention sees it padded.
 
 Cache (:class:`~decode.core.row_cache.RowCache`): one pre-allocated KV cache ``[B, heads, T, dim]`` for all rows
@@ -19,7 +19,7 @@ that row's visible slots; so its greedy output equals its plain greedy decoding 
 the float rounding of another batch shape (tests/test_batch_engine.py checks it on a float64 target).
 
 Lengths (``length="cost"``, issue 32 §2): the round's cost is its block's: B rows, n real positions in all (B·W for
-a padded block; a packed one scores its real slots only). One :class:`~decode.core.cost.CostCurve` holds t(n), the
+a padded block; a ragged one scores its real slots only). One :class:`~decode.core.cost.CostCurve` holds t(n), the
 seconds of a forward scoring n positions in all, per context bucket (on these models a forward's cost follows its
 positions: linears multiply n rows), refined by every round at whatever B it runs, and seeded by one probe before
 the first choice; c_B(W, n) = t(n) / t(B), so a batch size never seen reads what the others measured (a per-B curve
@@ -101,7 +101,6 @@ from ..core.cost import CostCurve
 from ..core.draft import Draft, Outcome, RoundRecord
 from ..core.tree import ancestor_matrix, draft_depth
 from ..core.linear import PackedLinear, pack_arm_linears
-from ..core.ragged import Packing, UnpackedStates
 from ..core.row_cache import RowCache
 from ..core.target import crop_cache
 from ..core.verify import Verifier, greedy_next
@@ -416,7 +415,7 @@ Cost = Callable[[int, int | None], float]
 def joint_length(alphas: list[float], caps: list[Lengths], cost: Cost) -> int:
     """The draft length K every row drafts (up to its cap) that maximises the batch's expected tokens per unit of
     cost: argmax_K Σ_r E(α_r, depth_r(K)) / cost(1 + K, n(K)), depth_r(K) = :func:`tree_depth` (a chain's
-    min(K, cap_r)), n(K) = Σ_r (1 + the row's positions cut to K): a packed block costs its real positions, so a
+    min(K, cap_r)), n(K) = Σ_r (1 + the row's positions cut to K): a ragged block costs its real positions, so a
     few rows drafting long cost what they add, not a block that wide for every row; the shortest K among ties."""
     return best_length(alphas, caps, cost)[0]
 
@@ -440,11 +439,12 @@ class BatchEngine:
     ``schedule:…`` or ``ema:…``;
     ``stock_model``: the target as loaded, when ``model`` runs packed linears (the arms' modules are then packed
     the same way, the stock target's never); ``seed``: the acceptance estimates' Thompson draws
-    (:class:`Acceptance`)."""
+    (:class:`Acceptance`); ``ragged``: blocks with padding are fed as their real slots where the target runs our
+    attention (decode/core/ragged.py; False: always padded)."""
 
     def __init__(self, model, make_arms: Callable[[], list[Arm]], make_policy: Callable[[int], Policy],
                  verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 32,
-                 length: str = "fixed", stock_model=None, seed: int = 0):
+                 length: str = "fixed", stock_model=None, seed: int = 0, ragged: bool = True):
         self.length, self.schedule, self.tiers = parse_length(length)
         self.ema_accepted: float | None = None  # accepted drafts per row-round, smoothed (length=ema)
         # seconds of one forward of the drafting modules (a catch-up, then one per draft position), smoothed over the
@@ -498,10 +498,11 @@ class BatchEngine:
         self._next = 0
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        # blocks with padding are fed packed (their real slots only: decode/core/ragged.py) where the target runs
+        # blocks with padding are fed ragged (their real slots only: decode/core/ragged.py) where the target runs
         # our attention, which unpacks them (the run model on a CPU: decode/engine/loop.py target_run_model); a
         # target on any other attention is fed padded blocks
-        self.ragged = getattr(model.config, "_attn_implementation", None) == GQA_ATTENTION
+        # (``ragged=False``: padded always, e.g. to compare the two on one machine)
+        self.ragged = ragged and getattr(model.config, "_attn_implementation", None) == GQA_ATTENTION
         # the target runs oneDNN-packed linears: the arms' modules are packed too, never the stock target's own
         # (``stock_model``, whose layers an early-exit stack runs; unknown = arms' modules stay as they are)
         self.packed = any(isinstance(m, PackedLinear) for m in model.modules()) and stock_model is not None
@@ -666,7 +667,7 @@ class BatchEngine:
         B = len(self.rows)
         # what the model charges for this round as it is played, in seconds (before the forward updates the curve)
         one = self._one_seconds(B, context) if self.length == "cost" else None
-        n = sum(lens)  # the block's real positions (a packed block's forward scores these only)
+        n = sum(lens)  # the block's real positions (a ragged block's forward scores these only)
         modelled = self.modelled_steps(context, len(module_rows), closed=plain)(W, n) * one if one else None  # played
         ids = torch.full((B, W), self.pad_id, dtype=torch.long)
         pos = torch.zeros(B, W, dtype=torch.long)
@@ -960,13 +961,13 @@ class BatchEngine:
 
     def _observe_cost(self, B: int, n: int, context: int, seconds: float) -> None:
         """A forward of B rows scoring n positions in all took ``seconds``: the shared t(n) and this batch size's
-        t_B(n) (n = B·W for a padded block of W; a packed one's real positions)."""
+        t_B(n) (n = B·W for a padded block of W; a ragged one's real positions)."""
         self.cost.observe(n, context, seconds)
         self.cost_at.setdefault(B, CostCurve()).observe(n, context, seconds)
 
     def block_steps(self, B: int, W: int, context: int, n: int | None = None) -> float:
         """c_B(W, n): a forward of a block W wide over B rows, ``n`` of its positions real, in forwards of one
-        position per row. A packed block (decode/core/ragged.py) costs what its n real positions cost, a padded one
+        position per row. A ragged block (decode/core/ragged.py) costs what its n real positions cost, a padded one
         B·W (``n`` None: every row fills the block; an engine feeding padded blocks reads B·W whatever ``n``):
         t_B(n) / t_B(B) where this batch size measured sizes around both in one context bucket, else t(n) / t(B) of
         the shared curve from the nearest context bucket that measured sizes around both
@@ -1025,16 +1026,16 @@ class BatchEngine:
         self.cache.reserve(block_valid.shape[1], self.dtype, self.device)  # one-off when it grows: not the round's own
         self._housekeeping += time.perf_counter() - t
         t = time.perf_counter()
-        packing = Packing.of(block_valid) if self.ragged and not bool(block_valid.all()) else None
-        if packing is not None:  # the real slots only, row-major (decode/core/ragged.py)
-            ids, pos = packing.pack(ids), packing.pack(pos)
-        with torch.inference_mode(), ragged.packed(packing.to(self.device)) if packing else contextlib.nullcontext():
+        block = ragged.RaggedBlock.of(block_valid) if self.ragged and not bool(block_valid.all()) else None
+        if block is not None:  # the real slots only, row-major (decode/core/ragged.py)
+            ids, pos = block.gather(ids), block.gather(pos)
+        with torch.inference_mode(), ragged.running(block.to(self.device)) if block else contextlib.nullcontext():
             out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
                              past_key_values=self.cache.hf, use_cache=True, output_hidden_states=hidden)
             logits, states = out.logits, out.hidden_states if hidden else None
-            if packing is not None:  # nothing reads a padding slot's logits; hidden states are unpacked when read
-                logits = packing.unpack(logits, fill=False)
-                states = None if states is None else UnpackedStates(states, packing)
+            if block is not None:  # nothing reads a padding slot's logits; hidden states are scattered when read
+                logits = block.scatter(logits, fill=False)
+                states = None if states is None else ragged.ScatteredStates(states, block)
         synchronize(self.device)
         return logits, time.perf_counter() - t, states
 
