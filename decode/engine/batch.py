@@ -687,7 +687,7 @@ class BatchEngine:
         t1 = time.perf_counter()
         logits, seconds, hidden = self._forward(ids, pos, block_valid, hidden=any(map(_needs_hidden, self.rows)),
                                                 within=within)
-        self._observe_cost(B, n if self.ragged else B * W, context, seconds)
+        self._observe_cost(B, self._scored(B, W, n), context, seconds)
         keep = torch.zeros(B, W, dtype=torch.bool)
         accepted = []
         step = self._one_step_seconds(B, context, seconds / W)
@@ -965,6 +965,11 @@ class BatchEngine:
         self.cost.observe(n, context, seconds)
         self.cost_at.setdefault(B, CostCurve()).observe(n, context, seconds)
 
+    def _scored(self, B: int, W: int, n: int | None) -> int:
+        """The positions a forward of a block W wide over B rows, n of them real, scores: n where blocks go ragged,
+        else B·W (the padding too; ``n`` None: every row fills the block)."""
+        return B * W if n is None or not self.ragged else n
+
     def block_steps(self, B: int, W: int, context: int, n: int | None = None) -> float:
         """c_B(W, n): a forward of a block W wide over B rows, ``n`` of its positions real, in forwards of one
         position per row. A ragged block (decode/core/ragged.py) costs what its n real positions cost, a padded one
@@ -973,7 +978,7 @@ class BatchEngine:
         the shared curve from the nearest context bucket that measured sizes around both
         (:meth:`CostCurve.growth`), else from absolute times each read where they were measured (n / B while
         nothing is measured: every position a full forward)."""
-        n = B * W if n is None or not self.ragged else n
+        n = self._scored(B, W, n)
         if n <= B:
             return 1.0
         own = self.cost_at.get(B)
