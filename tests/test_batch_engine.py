@@ -2,6 +2,7 @@
 whatever its batch-mates do — mixed prompt lengths, different arms and lengths per row, EOS at different rounds,
 rows joining mid-flight — and sampled rows follow the target's distribution."""
 import collections
+import statistics
 from collections import deque
 
 import pytest
@@ -428,6 +429,13 @@ def test_a_rounds_own_work_has_a_fixed_part_and_a_part_per_row(model):
     assert eng.round_work(16, DRAFTING) == pytest.approx(0.004)
     eng._own_work[DRAFTING] = deque([(2, 0.001), (4, 0.004)])  # a negative fixed part: per row through the origin
     assert eng.round_work(6, DRAFTING) == pytest.approx(6 * (2 * 0.001 + 4 * 0.004) / 20)
+    # a steep line through small sizes: past the largest size measured (4 rows, 8 ms a row) a row costs no more than
+    # there, so 16 rows read 16 × 8 ms, not the line's 140 ms; within the sizes measured the line stands
+    eng._own_work[DRAFTING] = deque([(1, 0.002), (2, 0.030), (4, 0.032)])
+    slope, a = statistics.linear_regression([1, 2, 4], [0.002, 0.030, 0.032])
+    assert a + slope * 16 > 16 * 0.008
+    assert eng.round_work(16, DRAFTING) == pytest.approx(16 * 0.008)
+    assert eng.round_work(3, DRAFTING) == pytest.approx(a + slope * 3)
 
 
 def test_a_rounds_own_work_leaves_out_the_caches_one_off_copies(model, monkeypatch):

@@ -938,7 +938,9 @@ class BatchEngine:
         work of each batch size among the last WORK_WINDOW rounds of that kind; with one batch size measured, its
         median per row × B (``row_overhead``); None before any. A figure per row alone, measured mostly in a batch's
         tail where few rows share a round's fixed work, charged 16 rows 0.95 ms each where such rounds did 0.45 on
-        the AMX Xeon, and plain rounds looked dearer than drafting ones."""
+        the AMX Xeon, and plain rounds looked dearer than drafting ones. Past the largest size measured, the line is
+        capped at that size's median per row × B (a round's fixed work only spreads over more rows): a line fitted to
+        smaller sizes alone once read 0.87 s for a 16-row drafting round whose own work measured 60–82 ms."""
         return self._memoised(("work", B, kind), lambda: self._fit_round_work(B, kind))
 
     def _fit_round_work(self, B: int, kind: str) -> float | None:
@@ -956,8 +958,13 @@ class BatchEngine:
         if slope < 0:  # more rows never cost less: a flat round cost
             return statistics.fmean(ys)
         if a < 0:  # through the origin: per row only
-            return B * statistics.linear_regression(xs, ys, proportional=True).slope
-        return a + slope * B
+            fit = B * statistics.linear_regression(xs, ys, proportional=True).slope
+        else:
+            fit = a + slope * B
+        top = max(xs)
+        if B > top:  # past the sizes measured, a row costs at most what one did at the largest (fixed work shares)
+            fit = min(fit, B * ys[xs.index(top)] / top)
+        return fit
 
     def _observe_cost(self, B: int, n: int, context: int, seconds: float) -> None:
         """A forward of B rows scoring n positions in all took ``seconds``: the shared t(n) and this batch size's
