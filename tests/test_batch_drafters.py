@@ -9,12 +9,15 @@ import torch
 
 from decode.choose.arms import ArmEnv, build_arm
 from decode.choose.arms.eagle import EagleArm
+from decode.choose.arms.eagle.batched import EagleBatch
 from decode.choose.arms.early_exit import EarlyExitArm
 from decode.choose.arms.model import DrafterModelArm
 from decode.choose.arms.union import UnionArm
 from decode.choose.heads import EagleHead, EarlyExitDrafter, save_head
 from decode.choose.policies import build_policy
 from decode.common.errors import UserError
+from decode.core import ragged
+from decode.core.attention import NAME as ATTENTION
 from decode.core.attention import our_attention_model
 from decode.core.sampling import SamplingConfig
 from decode.core.vocab import DraftVocab
@@ -109,10 +112,20 @@ KINDS = ["eagle1", "eagle3", "drafter", "drafter-vocab", "early_exit"]
 def test_batched_drafts_are_the_serial_chains_and_rows_stay_lossless(model, monkeypatch, kind, max_batch):
     module = _module(model, kind)
     seen = _spy(monkeypatch)
+    fed = []  # per forward of an EAGLE head's batch drafter: whether its block went ragged
+    run = EagleBatch._run
+
+    def spy_run(self, *args):
+        fed.append(ragged.active() is not None)
+        return run(self, *args)
+
+    monkeypatch.setattr(EagleBatch, "_run", spy_run)
     eng = _engine(model, module)
     rows = eng.generate(PROMPTS, 20, max_batch=max_batch)
     for p, r in zip(PROMPTS, rows):
         assert r.tokens == plain_greedy(model, p, 20), p
+    if kind.startswith("eagle"):  # the head's blocks with padding went ragged, as the target's do
+        assert sum(fed) > 5 and not all(fed)
     assert len(eng.drafters) == 1 and not next(iter(eng.drafters.values())).rows  # one drafter, rows all left
     drafted = [s for s in seen if len(s[2])]
     assert len(drafted) > 10 and any(len(s[2]) > 1 for s in drafted)
@@ -272,7 +285,6 @@ def test_a_rows_first_feed_is_not_counted_as_the_modules_drafting_cost(model, mo
     feeds its prompt alone, one-off work that must not enter that estimate (it is the round's housekeeping). With
     that feed made to take 0.3 s, the estimate stays at the forwards' own time."""
     import time
-    from decode.choose.arms.eagle.batched import EagleBatch
     run = EagleBatch._run  # a forward without a mask is a row fed alone
     monkeypatch.setattr(EagleBatch, "_run", lambda self, ids, extra, pos, cache, mask: (
         mask is None and time.sleep(0.3)) or run(self, ids, extra, pos, cache, mask))
@@ -351,6 +363,20 @@ def test_a_head_in_bfloat16_stays_lossless_serially_and_batched_and_leaves_the_t
         assert r.tokens == plain_greedy(model, p, 12), p
     with pytest.raises(UserError, match="dtype must be auto"):
         build_arm(spec + ",dtype=int8", env)
+
+
+def test_a_ragged_head_drafter_runs_our_attention_on_a_copy_sharing_the_heads_weights():
+    """Where the engine feeds ragged blocks, an EAGLE head's batch drafter does too: its stack runs our attention
+    (which unpacks them) on a copy; the head the serial arm runs keeps its attention, and no weight is copied."""
+    target = tiny_llama(vocab=64, layers=4, seed=3)
+    head = _head(target.double(), fused=True)
+    drafter = EagleBatch(head)
+    assert not drafter.ragged and drafter.feed_ragged() and drafter.ragged
+    assert drafter.head.model.layers[0].self_attn.config._attn_implementation == ATTENTION
+    assert head.model.layers[0].self_attn.config._attn_implementation != ATTENTION
+    ours = dict(drafter.head.named_parameters())
+    assert {n: p.data_ptr() for n, p in head.named_parameters()} == {n: p.data_ptr() for n, p in ours.items()}
+    assert drafter.head.embed is head.embed and drafter.head.lm_head is head.lm_head
 
 
 def test_packed_linears_reach_the_arms_modules_never_the_stock_target():

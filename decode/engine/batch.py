@@ -560,10 +560,13 @@ class BatchEngine:
 
     def _drafter(self, arm) -> BatchDrafter:
         """The batch drafter of ``arm``'s module (made on first use, with an empty row for each row already here).
+        Where the engine feeds ragged blocks, so does the drafter if its module can (``BatchDrafter.feed_ragged``).
         When the target runs oneDNN-packed linears the module's are packed too, as the serial engine does."""
         key = arm.batch_key
         if key not in self.drafters:
             drafter = arm.batch_drafter(len(self.rows), self.compact_slack)
+            if self.ragged:
+                drafter.feed_ragged()
             if self.packed:
                 pack_arm_linears([drafter], self.stock_model)  # the modules it drafts with (a head, a drafter LM)
             self.drafters[key] = drafter

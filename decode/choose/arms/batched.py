@@ -16,7 +16,8 @@ row cost 9 ms a row here; a row that never drafts holds its entries, for an EAGL
 until it leaves). Then :meth:`catch_up` feeds a row whose prompt is still pending alone (one long prompt padded in
 with the others would widen every row's block to its length), and the other drafting rows' pending entries in ONE
 forward over a padded block; then one forward per further draft position advances the rows still drafting, the others
-sitting in it as padding. The draft positions' slots become invisible once the drafts are out (``RowCache.forget``).
+sitting in it as padding (not computed where the engine feeds ragged blocks and the module can: :meth:`feed_ragged`,
+decode/core/ragged.py). The draft positions' slots become invisible once the drafts are out (``RowCache.forget``).
 A row's drafts are therefore the serial arm's from the same context (tested token for token on float64 targets), and
 lossless follows from the verifier, as for every arm.
 
@@ -26,12 +27,14 @@ joining row's prefill feeds (:meth:`_prefill`).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 from transformers import DynamicCache
 
 from ...common.device import synchronize
+from ...core import ragged
 from ...core.draft import Draft
 from ...core.row_cache import RowCache
 from ...core.sampling import choose_token
@@ -47,6 +50,7 @@ class BatchDrafter:
     that sizes its cache; ``rows``: the rows already in the batch when it is made (none of them drafts with it)."""
 
     needs_hidden = False  # reads the target's hidden states (observe gets them)
+    ragged = False  # blocks with padding are fed as their real slots (:meth:`feed_ragged`)
 
     def __init__(self, module: torch.nn.Module, config, rows: int = 0, compact_slack: int = 32):
         p = next(module.parameters())
@@ -88,6 +92,11 @@ class BatchDrafter:
         """Stored extra input rows → what the module reads (EAGLE-3 fuses the target's layers here)."""
         return rows
 
+    def feed_ragged(self) -> bool:
+        """From now on feed blocks with padding as their real slots (decode/core/ragged.py), where the module can:
+        its stack must run our attention, which unpacks them. Returns whether it does (here: no)."""
+        return False
+
     # ---- rows join and leave ------------------------------------------------------------------------------
 
     @property
@@ -122,11 +131,20 @@ class BatchDrafter:
 
     def _forward(self, ids: torch.Tensor, extra: torch.Tensor | None, pos: torch.Tensor,
                  valid: torch.Tensor) -> torch.Tensor:
-        """One forward of a ``[B, W]`` block over every row's cache, its real slots then kept."""
+        """One forward of a ``[B, W]`` block over every row's cache, its real slots then kept. Fed ragged
+        (:meth:`feed_ragged`) where it has padding: at 16 rows a catch-up block is as wide as the longest row's
+        pending entries and a draft step holds every row not drafting; the padding slots' outputs are left unset
+        (nothing reads them)."""
         mask = self.cache.block(valid, self.dtype, self.device)
-        out = self._run(ids.to(self.device), extra, pos.to(self.device), self.cache.hf, mask)
+        block = ragged.RaggedBlock.of(valid) if self.ragged and not bool(valid.all()) else None
+        if block is not None:
+            ids, pos = block.gather(ids), block.gather(pos)
+            block = block.to(self.device)
+            extra = None if extra is None else block.gather(extra)
+        with ragged.running(block) if block is not None else contextlib.nullcontext():
+            out = self._run(ids.to(self.device), extra, pos.to(self.device), self.cache.hf, mask)
         self.cache.commit(valid)
-        return out
+        return out if block is None else block.scatter(out, fill=False)
 
     @torch.inference_mode()
     def catch_up(self, rows: list[int]) -> None:

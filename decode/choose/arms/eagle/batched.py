@@ -11,8 +11,11 @@ Not batched (the engine refuses them with a clear error): EAGLE trees and K samp
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
+from ....core.attention import our_attention_model
 from ....core.hidden import layer_features
 from ...heads import EagleHead
 from ..batched import BatchDrafter
@@ -38,6 +41,14 @@ class EagleBatch(BatchDrafter):
 
     def _extra(self, rows: torch.Tensor) -> torch.Tensor:
         return self.head.input_features(rows)  # EAGLE-3: g = fuse(low, mid, high)
+
+    def feed_ragged(self) -> bool:
+        """The head's layer stack runs our attention from now on, on a copy that shares every weight (the head
+        itself, which the serial arm runs, is left as it is): blocks with padding go ragged."""
+        run = copy.copy(self.head)
+        run._modules = {**self.head._modules, "model": our_attention_model(self.head.model)}
+        self.head, self.ragged = run, True
+        return True
 
     def _run(self, ids, extra, pos, cache, mask):
         return self.head(extra, ids, past_key_values=cache, attention_mask=mask, use_cache=True, position_ids=pos)
