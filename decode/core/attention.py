@@ -110,16 +110,18 @@ def our_attention_model(model: torch.nn.Module, *, in_place: bool = False) -> to
     """``model`` running :func:`gqa_sdpa_attention` (``model`` itself where it does already; else a weight-sharing
     copy, or ``model`` changed with ``in_place``). Whatever the device and heads: where the grouped path does not
     apply it runs transformers' ``sdpa`` as it is, and a batched round's ragged block (decode/core/ragged.py) needs
-    this attention to unpack it. Every module's config is set, not the model's alone: a head's layer, cloned from the
-    target's, reads the target's config, not its stack's."""
-    configs = [c for m in model.modules() if hasattr(c := getattr(m, "config", None), "_attn_implementation")]
-    if all(c._attn_implementation == NAME for c in configs):
+    this attention to unpack it."""
+    if all(c._attn_implementation == NAME for c in _attention_configs(model)):
         return model
     _register()
     fast = model if in_place else weight_sharing_copy(model)
     fast.set_attn_implementation(NAME)
-    for module in fast.modules():  # the copy's own configs (copied with it)
-        config = getattr(module, "config", None)
-        if hasattr(config, "_attn_implementation") and config._attn_implementation != NAME:
-            config._attn_implementation = NAME
+    for config in _attention_configs(fast):  # a copy's configs are its own (copied with it)
+        config._attn_implementation = NAME
     return fast.eval()
+
+
+def _attention_configs(model: torch.nn.Module) -> list:
+    """Every config a module of ``model`` reads its attention from: not the model's alone, since a head's layer,
+    cloned from the target's, reads the target's config, not its stack's."""
+    return [c for m in model.modules() if hasattr(c := getattr(m, "config", None), "_attn_implementation")]
