@@ -6,7 +6,8 @@ A round: every row's policy picks an arm, the arm drafts up to ``min(L, remainin
 the target scores the ``[B, W]`` block with per-row position ids and a per-row additive mask, the verifier accepts
 per row, and each row commits its tokens, rolls its cache back and updates its own policy. A block with padding is
 fed ragged where the target runs our attention (decode/core/ragged.py): the row-wise layers (projections, MLP, LM
-head) compute its real slots only, and only attention sees it padded.
+head) compute its real slots only, and only attention sees it padded; an EAGLE head's batched forwards go the same
+way (``BatchDrafter.feed_ragged``).
 
 Cache (:class:`~decode.core.row_cache.RowCache`): one pre-allocated KV cache ``[B, heads, T, dim]`` for all rows
 and a validity mask ``[B, T]``. A forward appends W slots to every row (its block, padded); afterwards a row keeps
