@@ -47,6 +47,11 @@ class RaggedBlock:
         rows, cols = block_valid.nonzero(as_tuple=True)
         return cls(rows, cols, *block_valid.shape)
 
+    @classmethod
+    def of_padded(cls, block_valid: torch.Tensor) -> "RaggedBlock | None":
+        """The block's real slots where it has padding; None where every row fills it (fed as it is)."""
+        return None if bool(block_valid.all()) else cls.of(block_valid)
+
     @property
     def n(self) -> int:
         return int(self.rows.numel())
@@ -82,8 +87,9 @@ def active() -> RaggedBlock | None:
 
 
 @contextlib.contextmanager
-def running(block: RaggedBlock):
-    """Within: the row cache's layers and our attention read the target's forward as ``block``'s real slots."""
+def running(block: RaggedBlock | None):
+    """Within: the row cache's layers and our attention read the forward as ``block``'s real slots (None: as the
+    padded block it is)."""
     token = _ACTIVE.set(block)
     try:
         yield block

@@ -79,7 +79,6 @@ its trees. Arms that draft serially only (EAGLE trees, K sampled chains) are ref
 """
 from __future__ import annotations
 
-import contextlib
 import random
 import statistics
 import time
@@ -1042,10 +1041,10 @@ class BatchEngine:
         self.cache.reserve(block_valid.shape[1], self.dtype, self.device)  # one-off when it grows: not the round's own
         self._housekeeping += time.perf_counter() - t
         t = time.perf_counter()
-        block = ragged.RaggedBlock.of(block_valid) if self.ragged and not bool(block_valid.all()) else None
+        block = ragged.RaggedBlock.of_padded(block_valid) if self.ragged else None
         if block is not None:  # the real slots only, row-major (decode/core/ragged.py)
             ids, pos = block.gather(ids), block.gather(pos)
-        with torch.inference_mode(), ragged.running(block.to(self.device)) if block else contextlib.nullcontext():
+        with torch.inference_mode(), ragged.running(None if block is None else block.to(self.device)):
             out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
                              past_key_values=self.cache.hf, use_cache=True, output_hidden_states=hidden)
             logits, states = out.logits, out.hidden_states if hidden else None

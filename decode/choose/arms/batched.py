@@ -27,7 +27,6 @@ joining row's prefill feeds (:meth:`_prefill`).
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -136,12 +135,12 @@ class BatchDrafter:
         pending entries and a draft step holds every row not drafting; the padding slots' outputs are left unset
         (nothing reads them)."""
         mask = self.cache.block(valid, self.dtype, self.device)
-        block = ragged.RaggedBlock.of(valid) if self.ragged and not bool(valid.all()) else None
+        block = ragged.RaggedBlock.of_padded(valid) if self.ragged else None
         if block is not None:
             ids, pos = block.gather(ids), block.gather(pos)
             block = block.to(self.device)
             extra = None if extra is None else block.gather(extra)
-        with ragged.running(block) if block is not None else contextlib.nullcontext():
+        with ragged.running(block):
             out = self._run(ids.to(self.device), extra, pos.to(self.device), self.cache.hf, mask)
         self.cache.commit(valid)
         return out if block is None else block.scatter(out, fill=False)
