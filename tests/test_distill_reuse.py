@@ -243,3 +243,40 @@ def test_a_shipped_row_rendered_to_other_prompt_ids_is_generated(shipped, tiny, 
     original = {row["id"]: row for row in rows_of(first.out_dir)}
     assert got[rows[0]["id"]]["prompt_ids"] == original[rows[0]["id"]]["prompt_ids"] != rows[0]["prompt_ids"]
     assert all(got[k] == original[k] for k in got if k != rows[0]["id"])
+
+
+def test_shards_with_the_most_rows_to_generate_run_first(tiny, tiny_target_dir, tmp_path, monkeypatch):
+    """A stopped greedy run re-answers the rows the filters dropped (they were not shipped) the same way again:
+    wholly shipped shards run first (they cost nothing), then the shards with the most rows to generate, so a
+    time-limited run spends its minutes on prompts never answered. The rows do not depend on the order."""
+    import gzip
+
+    from toolkit.answers import _gzip_rows
+
+    model, tok = tiny
+    longest_first = tmp_path / "p.jsonl"
+    longest_first.write_text("".join(json.dumps({"q": q}) + "\n" for q in reversed(PROMPTS)))
+    two = distill(recipe(tmp_path / "two", tiny_target_dir, longest_first, 2, "reuse=null"), model=model,
+                  tokenizer=tok, progress=False)
+    folder = tmp_path / "answers"
+    export_answers([two["recipe"]["out"]], folder, eval_files=())
+    # the plan runs the longest prompts first: shards 0 and 1 are PROMPTS[3] and PROMPTS[2] at both temperatures,
+    # all shipped; one of shard 1's rows goes missing, as a row the filters dropped would
+    path = folder / "math.jsonl.gz"
+    with gzip.open(path, "rt") as fh:
+        rows = [json.loads(line) for line in fh]
+    kept = [r for r in rows if not (r["prompt"] == PROMPTS[2] and r["temperature"] == 0.7)]
+    assert len(kept) == len(rows) - 1 == 3
+    path.write_bytes(_gzip_rows(kept))
+    order = []
+    write = D._write_shard
+    monkeypatch.setattr(D, "_write_shard", lambda p, rows, meta: (order.append(meta["shard"]), write(p, rows, meta)))
+    r = recipe(tmp_path / "four", tiny_target_dir, longest_first, 4, f"reuse={folder}")
+    m = distill(r, model=model, tokenizer=tok, progress=False)
+    assert order == [0, 2, 3, 1] and m["status"] == "complete" and m["reuse"]["rows_reused"] == 3
+    ref = distill(recipe(tmp_path / "ref", tiny_target_dir, longest_first, 4, "reuse=null"), model=model,
+                  tokenizer=tok, progress=False)
+    assert m["fingerprint"] == ref["fingerprint"]
+    greedy = [(row["id"], row["response_ids"]) for row in rows_of(r.out_dir) if row["temperature"] == 0.0]
+    assert greedy == [(row["id"], row["response_ids"]) for row in rows_of(ref["recipe"]["out"])
+                      if row["temperature"] == 0.0]

@@ -19,13 +19,15 @@ Output (``out``, default ``runs/distill/<task>``):
 
 Shipped answers (``reuse``, default ``auto``): before generating, the rows of an answers folder
 (:mod:`toolkit.answers`; ``auto`` = ``pretrained/<target>/answers`` when ``target`` is an alias and that folder
-exists) are taken instead of generated, when the folder's recorded conditions for the task (target, dtype,
-template, filters, answer length, sampling; not the prompt limit, which only skips prompts) equal this run's. A planned row is reused when its id
-is shipped *and* the shipped prompt ids equal this run's rendering; the rest are generated as usual (rows a
-filter dropped or that leaked were not shipped, so they are generated). An explicit folder that is missing or
-differs is an error naming the fields; ``auto`` says on stderr why nothing is reused and generates; ``null``
-never reuses. ``reuse`` is not part of the run's identity: a reused row is the target's answer under the same
-conditions. Shards record ``reused_rows``, the manifest ``reuse: {folder, rows_reused}`` (or ``skipped``).
+exists) are taken instead of generated, when the folder's recorded conditions for the task (target, dtype, template,
+filters, answer length, sampling; not the prompt limit, which only skips prompts) equal this run's. A planned row is
+reused when its id is shipped *and* the shipped prompt ids equal this run's rendering; the rest are generated as
+usual (rows a filter dropped or that leaked were not shipped, so they are generated; shards with the most rows to
+generate run first, so a time-limited run answers new prompts before it re-answers dropped ones). An explicit folder
+that is missing or differs is an error naming the fields; ``auto`` says on stderr why nothing is reused and
+generates; ``null`` never reuses. ``reuse`` is not part of the run's identity: a reused row is the target's answer
+under the same conditions. Shards record ``reused_rows``, the manifest ``reuse: {folder, rows_reused}`` (or
+``skipped``).
 
 :func:`load_distilled` is the reading side used by the training recipes. Row columns:
 ``id, task, source, prompt, prompt_text, prompt_ids, response, response_ids, temperature,
@@ -504,6 +506,7 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
         print(reuse.notice, file=sys.stderr)
     taken = {u.uid: row for k in pending for u in shard_units(k)
              if (row := reuse.row_for(u, prompt_ids[u.prompt])) is not None}
+    pending.sort(key=lambda k: _shard_priority(shard_units(k), taken))
     if pending:
         eos_ids: set[int] = set()
         if any(u.uid not in taken for k in pending for u in shard_units(k)):  # else the target is never loaded
@@ -586,6 +589,16 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
                          "this_session_generated_tokens": session_tokens}}
     atomic_write_json(manifest_path, manifest, indent=2)
     return manifest
+
+
+def _shard_priority(planned: list[Unit], taken: dict) -> tuple[bool, int]:
+    """Sort key of a pending shard: wholly shipped shards first (they cost no generation), then the shards with the
+    most rows to generate. A shard a stopped run already finished holds few of them — only the rows the filters
+    dropped, which greedy decoding answers the same way again — so prompts never answered come before those
+    re-attempts, and a time-limited run spends its minutes on new answers. Each shard keeps its own seed, so the
+    rows do not depend on the order."""
+    fresh = sum(u.uid not in taken for u in planned)
+    return fresh > 0, -fresh
 
 
 def _row(recipe, tokenizer, prompt, prompt_text, prompt_ids, unit: Unit, o: Generation, eos_ids) -> dict:
