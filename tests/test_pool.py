@@ -88,6 +88,20 @@ def test_gpu_budget_warm_starts_only_from_a_shipped_head_of_its_layout(tmp_path,
     assert not any(a.startswith("head.init_from=") for a in dict(plan("t", "small", tmp_path, SUITE))["train:eagle"])
 
 
+def test_gpu_budget_trains_on_the_shipped_answers_too(tmp_path, monkeypatch):
+    from toolkit import pool
+    monkeypatch.setattr(pool, "REPO_ROOT", tmp_path)
+    record = tmp_path / "pretrained" / "t" / "answers" / "answers.json"
+
+    def answers(budget="gpu"):
+        return [a for a in dict(plan("t", budget, tmp_path, SUITE))["train:eagle"] if a.startswith("data.answers=")]
+    assert answers() == []  # nothing shipped
+    record.parent.mkdir(parents=True)
+    assert answers() == []  # a folder without its run record is no answers folder
+    record.write_text("{}")
+    assert answers() == [f"data.answers={record.parent}"] and answers("medium") == []
+
+
 def test_gpu_budget_runs_end_to_end_on_cpu_when_shrunk(smol_path, tmp_path, capsys, monkeypatch):
     """The gpu budget's pipeline (float32 distill, EAGLE-3 with 7 TTT steps on a ShareGPT mix, features online,
     dev eval) at a smoke size on the CPU, which it only accepts when --device cpu asks for it."""

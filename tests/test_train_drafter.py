@@ -101,6 +101,43 @@ def test_heldout_split_is_by_prompt(distilled):
     assert sorted(set(both["task"])) == ["code", "math"] and len(both) > len(ds)
 
 
+def test_shipped_answers_extend_the_distilled_rows_once_each(distilled, tmp_path, tiny_target_dir):
+    """data.answers: the rows of an answers folder the distilled folders lack are trained on too, after them (so the
+    held-out split of the distilled rows stays what it was), each id once, as the same SFT features."""
+    from transformers import AutoTokenizer
+
+    from toolkit.answers import export_answers, load_answers
+    from toolkit.train.data import DataSection, load_examples, split_heldout, tokenize_sft
+
+    folder = tmp_path / "answers"
+    export_answers([distilled / "math", distilled / "code"], folder, eval_files=())
+    shipped = {r["id"]: r for r in load_answers(folder)}
+    own = load_examples(DataSection(root=str(distilled)), "math")
+    only_code = tmp_path / "root"
+    only_code.mkdir()
+    (only_code / "code").symlink_to(distilled / "code")
+    for task, root in (("math", distilled), ("all", only_code)):
+        sec = DataSection(root=str(root), answers=str(folder), heldout_fraction=0.3, heldout_max=1000)
+        ds = load_examples(sec, task)
+        base = load_examples(DataSection(root=str(root)), task)
+        assert ds["id"][:len(base)] == base["id"] and len(set(ds["id"])) == len(ds)
+        want = {i for i, r in shipped.items() if task == "all" or r["task"] == task} | set(base["id"])
+        assert set(ds["id"]) == want
+        assert split_heldout(ds, sec)[1]["id"][:1] == split_heldout(base, sec)[1]["id"][:1]
+    # a shipped row becomes the features its distilled twin does (training reads the token ids, not the text)
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    twin = own.select([0])
+    sec = DataSection(root=str(only_code), answers=str(folder))
+    extra = load_examples(sec, "all")
+    row = extra.select([extra["id"].index(twin["id"][0])])
+    assert row["response"] == [""] and tokenize_sft(row, tok, 96)[0] == tokenize_sft(twin, tok, 96)[0]
+    with pytest.raises(UserError, match=r"data.answers=.*no translation answers there .it has code, math.*null"):
+        load_examples(DataSection(root=str(distilled), path=str(distilled / "math"), answers=str(folder)),
+                      "translation")
+    with pytest.raises(UserError, match=r"data.answers=.*not an answers folder.*toolkit answers"):
+        load_examples(DataSection(root=str(distilled), answers=str(tmp_path)), "math")
+
+
 # --------------------------------------------------------------------------- recipes and errors
 
 def test_shipped_recipes_parse():

@@ -21,9 +21,10 @@ Budgets (what a 2-core CPU finishes in the time stated for the default target; l
   temperatures in float32 (the shipped answers' conditions, so they are reused and can be extended) and greedy
   answers at scale (chat/math/code/qa, thousands of prompts, and the summarization/translation prompts, 2.5 minutes
   each), the twelve distillations at once on the GPU; then an EAGLE-3 head (fused features, 7 training-time-test
-  steps), warm-started from the shipped head when that is an EAGLE-3 head, on those answers + 30% ShareGPT
-  conversations, target features computed online (no cache: the target forward is cheap on a GPU), 4.5 minutes; dev
-  × 1 prompt, 96 tokens. It refuses to start on a CPU unless ``--device cpu`` asks for that knowingly.
+  steps), warm-started from the shipped head when that is an EAGLE-3 head, on those answers and every shipped one
+  (``data.answers``) + 30% ShareGPT conversations, target features computed online (no cache: the target forward is
+  cheap on a GPU), 850 steps (4.5 minutes at most); dev × 1 prompt, 96 tokens. It refuses to start on a CPU unless
+  ``--device cpu`` asks for that knowingly.
 * ``tiny``: a smoke run (one task, two prompts, two training steps, one eval prompt) for tests and for
   checking a new target's plumbing in minutes.
 """
@@ -70,7 +71,9 @@ class Budget:
     greedy_overrides: tuple[str, ...] = ()
     greedy_minutes: float | None = None
     parallel_distill: bool = False  # the distillations run at once (one leaves a GPU mostly idle)
-    warm_start: bool = False  # EAGLE starts from pretrained/<target>/eagle when that head has the recipe's layout
+    # EAGLE starts from pretrained/<target>/eagle when that head has the recipe's layout, and trains on every answer in
+    # pretrained/<target>/answers too (the greedy runs stop after some shards, which hold only part of them)
+    warm_start: bool = False
 
 
 # teacher-forced EAGLE training at scale: the distilled answers + 19× as many streamed ShareGPT conversations,
@@ -177,9 +180,11 @@ def plan(target: str, budget_name: str, out: Path, suite: str, device: str | Non
     style_recipe = REPO_ROOT / "recipes" / "heads" / f"{b.eagle_style}.yaml"
     recipe = [] if b.eagle_style == "eagle" else ["--recipe", str(style_recipe)]
     warm = _warm_head(target, b.eagle_style) if b.warm_start else None
+    answers = _shipped_answers(target) if b.warm_start else None
     stages.append(("train:eagle", ["-m", "toolkit", "train", "eagle", *recipe, "--task", task, *common,
                                    f"out_dir={eagle}", "progress=false", *b.eagle_overrides,
                                    *([f"head.init_from={warm}"] if warm else []),
+                                   *([f"data.answers={answers}"] if answers else []),
                                    *([f"train.max_minutes={b.eagle_minutes}"] if b.eagle_minutes else [])]))
     arms = [f"eagle:path={eagle},L={b.L}"]
     if b.early_exit_minutes:
@@ -209,6 +214,14 @@ def _warm_head(target: str, style: str) -> Path | None:
         return None
     layer = read_head_config(folder).get("layer", "eagle1")
     return folder if (layer == "eagle3") == (style == "eagle3") else None
+
+
+def _shipped_answers(target: str) -> Path | None:
+    """The shipped answers of an alias target (``pretrained/<target>/answers``, ``toolkit answers``), if any."""
+    from toolkit.answers import RECORD
+
+    folder = REPO_ROOT / "pretrained" / target / "answers"
+    return folder if (folder / RECORD).is_file() else None
 
 
 def write_pool_file(out: Path, target: str, budget: str, arms: list[str]) -> Path:

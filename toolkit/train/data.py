@@ -26,6 +26,11 @@ class DataSection:
     heldout_max: int = 200  # held-out examples evaluated at the end (the rest are still not trained on)
     max_examples: int | None = None  # cap on training examples (smoke runs)
     max_length: int = 512  # prompt + response tokens per example; longer ones are cut at the end
+    # an answers folder (`python -m toolkit answers`, e.g. pretrained/<target>/answers) whose rows of the task(s) are
+    # trained on too, after the distilled ones (a row distilled here as well counts once): a time-limited
+    # distillation that reuses the shipped answers reaches only some of its shards, and the others' shipped rows
+    # would otherwise be left out
+    answers: str | None = None
 
     def __post_init__(self):
         if not 0.0 <= self.heldout_fraction < 1.0:
@@ -65,20 +70,52 @@ def _is_distilled(d: Path) -> bool:
     return d.is_dir() and (d / "manifest.json").is_file()
 
 
-def load_examples(section: DataSection, task: str):
-    """All kept distilled rows of the task(s) as one ``datasets.Dataset`` (see :mod:`toolkit.distill`)."""
+def load_examples(section: DataSection, task: str, *, allow_partial: bool = False):
+    """All kept distilled rows of the task(s) as one ``datasets.Dataset`` (see :mod:`toolkit.distill`), then the
+    rows of ``data.answers`` not among them. ``allow_partial``: a stopped distillation's finished shards."""
     from toolkit.distill import load_distilled
 
     dirs = distilled_dirs(section, task)
-    ds = load_distilled(dirs if len(dirs) > 1 else dirs[0])
+    ds = _with_answers(load_distilled(dirs if len(dirs) > 1 else dirs[0], allow_partial=allow_partial), section, task)
     missing = [c for c in ("prompt", "response") if c not in ds.column_names]
     if missing:
         raise UserError(f"distilled data at {', '.join(map(str, dirs))} lacks column(s) {missing}; "
                         f"regenerate it with `make distill`")
     if len(ds) == 0:
-        raise UserError(f"distilled data for task '{task}' has no kept rows; rerun `make distill TASK={task}` "
-                        f"with more prompts or looser filters")
+        where = " in finished shards yet" if allow_partial else ""
+        raise UserError(f"distilled data for task '{task}' has no kept rows{where}; rerun `make distill "
+                        f"TASK={task}` with more prompts or looser filters")
     return ds
+
+
+def _with_answers(ds, section: DataSection, task: str):
+    """``ds`` + the rows of the answers folder ``section.answers`` for ``task`` (``all``: every task there) whose
+    ids ``ds`` lacks, in ``ds``'s columns (their response text left empty: training reads the token ids)."""
+    if not section.answers:
+        return ds
+    from datasets import Dataset, concatenate_datasets
+
+    from toolkit.answers import load_answers, read_record
+
+    folder = Path(section.answers)
+    try:
+        record = read_record(folder)
+    except UserError as exc:
+        raise UserError(f"data.answers={folder}: {exc}; pass a `python -m toolkit answers` folder "
+                        f"(e.g. pretrained/<target>/answers) or data.answers=null") from None
+    tasks = sorted(record["tasks"]) if task == ALL_TASKS else [task]
+    if task != ALL_TASKS and task not in record["tasks"]:
+        raise UserError(f"data.answers={folder}: no {task} answers there (it has "
+                        f"{', '.join(sorted(record['tasks'])) or 'none'}); pass data.answers=null")
+    seen = set(ds["id"])
+    rows = [{"id": r["id"], "task": r["task"], "source": r["source"], "prompt": r["prompt"], "prompt_text": None,
+             "prompt_ids": r["prompt_ids"], "response": "", "response_ids": r["response_ids"],
+             "temperature": r["temperature"], "finish_reason": r["finish_reason"],
+             "prompt_tokens": len(r["prompt_ids"]), "response_tokens": len(r["response_ids"]), "filtered": ""}
+            for t in tasks for r in load_answers(folder, t) if r["id"] not in seen]
+    if not rows:
+        return ds
+    return concatenate_datasets([ds, Dataset.from_list(rows, features=ds.features)])
 
 
 def is_heldout(prompt: str, fraction: float) -> bool:
@@ -120,7 +157,8 @@ def encode_example(tokenizer, row: dict, max_length: int) -> dict:
 
 def tokenize_sft(ds, tokenizer, max_length: int):
     """Map distilled rows to SFT features; rows whose response was cut away entirely are dropped."""
-    out = ds.filter(lambda r: bool(r["prompt"] and r["prompt"].strip()) and bool(r["response"]), desc="non-empty")
+    out = ds.filter(lambda r: bool(r["prompt"] and r["prompt"].strip())
+                    and bool(r["response"] or r.get("response_ids")), desc="non-empty")
     out = out.map(lambda r: encode_example(tokenizer, r, max_length), remove_columns=out.column_names,
                   desc="tokenising")
     return out.filter(lambda r: any(x != -100 for x in r["labels"]), desc="dropping prompt-only rows")

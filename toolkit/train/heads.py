@@ -91,19 +91,8 @@ def load_frozen_target(spec: str, place: Placement | None = None):
 
 
 def load_distilled_examples(recipe: HeadRecipe):
-    """:func:`.data.load_examples`, or with ``allow_partial_data`` the finished shards only."""
-    if not recipe.allow_partial_data:
-        return load_examples(recipe.data, recipe.task)
-    from datasets import concatenate_datasets
-
-    from toolkit.distill import load_distilled
-
-    from .data import distilled_dirs
-    parts = [load_distilled(d, allow_partial=True) for d in distilled_dirs(recipe.data, recipe.task)]
-    ds = concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    if len(ds) == 0:
-        raise UserError(f"no finished distilled shards for task '{recipe.task}' yet; wait for `make distill`")
-    return ds
+    """:func:`.data.load_examples`, with ``allow_partial_data`` of the finished shards only."""
+    return load_examples(recipe.data, recipe.task, allow_partial=recipe.allow_partial_data)
 
 
 def tokenized_splits(recipe: HeadRecipe, tokenizer):
