@@ -124,3 +124,62 @@ def test_tree_drafts_through_it_decode_plain_greedy():
         gen = eng.generate(prompt, build_policy("fixed", 1, eng.max_len), 24)
         assert gen.tokens == plain_greedy(model, prompt, 24)
         assert any(r.drafted > 1 for r in gen.rounds)
+
+
+def _fake_kernels(grouped_wins: set[int]):
+    """A measurement where the grouped matmuls take 1 ms and SDPA 2 ms at the block sizes ``grouped_wins``, and the
+    other way round at the others (per row)."""
+    def measure(rows, heads, kv, dim, positions, context, dtype, reps):
+        assert (heads, kv, dtype) == (4, 2, torch.float32) and context == 384 and reps == 15
+        wins = positions in grouped_wins
+        return {"grouped": 1e-3 if wins else 2e-3, "sdpa": 2e-3 if wins else 1e-3}
+    return measure
+
+
+@pytest.mark.parametrize("wins", [set(range(2, 9)), {3, 4, 8}, {2}, set()])
+def test_the_probe_runs_the_matmuls_at_the_block_sizes_they_win(wins, monkeypatch, capsys):
+    monkeypatch.setattr(attention, "GROUPED_SIZES", frozenset(range(2, 9)))
+    monkeypatch.setattr(attention, "_PROBED", {})
+    fast = gqa_attention_model(tiny_llama(seed=1))
+    got = attention.probe_attention(fast, measure=_fake_kernels(wins))
+    assert got["grouped_sizes"] == sorted(wins) and attention.GROUPED_SIZES == wins
+    assert got["ms"]["grouped"]["2"] == (2.0 if 2 in wins else 4.0)  # summed over the 1- and 16-row blocks
+    assert sorted(map(int, got["ms"]["sdpa"])) == list(range(2, 9))
+    assert "attention probe: " in capsys.readouterr().err
+    # once per process and shape: a second call measures nothing and sets the same
+    attention.GROUPED_SIZES = frozenset()
+    assert attention.probe_attention(fast, measure=None) == got and attention.GROUPED_SIZES == wins
+    assert attention.probe_attention(tiny_llama(seed=1), measure=None) is None  # stock attention: nothing to choose
+
+
+def test_verification_runs_the_kernel_the_probe_chose_and_matches_the_stock_logits(monkeypatch):
+    model = tiny_llama(seed=2)
+    ref, fast = Target(model, cache="prefix"), Target(gqa_attention_model(model), cache="prefix")
+    ctx = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    for t in (ref, fast):
+        t.prefill(ctx)
+    calls = []
+    real, matmuls = torch.nn.functional.scaled_dot_product_attention, attention.grouped_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: (calls.append("sdpa"), real(*a, **kw))[1])
+    monkeypatch.setattr(attention, "grouped_attention", lambda *a: (calls.append("grouped"), matmuls(*a))[1])
+    for sizes in (set(), {3}, {2, 3, 4}):
+        monkeypatch.setattr(attention, "GROUPED_SIZES", frozenset(sizes))
+        for draft in ([7, 8], [1, 2, 3]):
+            calls.clear()
+            a = ref.score(ctx[-1], torch.tensor(draft, dtype=torch.long)).logits
+            calls.clear()
+            b = fast.score(ctx[-1], torch.tensor(draft, dtype=torch.long)).logits
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+            kernel = "grouped" if len(draft) + 1 in sizes else "sdpa"
+            assert calls == [kernel] * model.config.num_hidden_layers
+            for t in (ref, fast):
+                t.rollback(len(ctx) - 1)
+
+
+def test_the_engine_records_the_probe_it_ran():
+    eng = build_engine(tiny_llama(seed=3), TinyTokenizer(64), ["pld:L=4,n=1"], GREEDY,
+                       torch.Generator().manual_seed(0), cache="prefix", linear="stock")
+    probe = eng.target.attention_probe
+    assert attention.GROUPED_SIZES == set(probe["grouped_sizes"]) <= set(range(2, 9))
+    assert set(probe["ms"]) == {"grouped", "sdpa"} and set(probe["ms"]["sdpa"]) == {str(n) for n in range(2, 9)}

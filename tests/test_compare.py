@@ -56,7 +56,7 @@ def test_git_state_outside_a_checkout_is_unknown(tmp_path):
 DYNAMIC = {"summary": "<method>", "per_category": "<category>", "arm_pulls": "<arm>", "peer_settings": "<peer>",
            "draft_lengths": "<arm>"}
 FREE_FORM = ("config.peer_settings.<peer>", "summary.<method>.draft_lengths.<arm>", "cost_curve.steps",
-             "cost_curve.one_token_ms", "config.linear_probe.ms")
+             "cost_curve.one_token_ms", "config.linear_probe.ms", "config.attention_probe.ms")
 
 
 def field_paths(obj, prefix="", placeholder=None, out=None) -> set[str]:

@@ -14,7 +14,8 @@ every other call is transformers' ``sdpa`` as it is. Results differ from ``repea
 summation order only (another kernel path, like scoring n positions instead of one); greedy equality with plain
 ``generate`` is what the tests and every evaluation's lossless column check.
 
-A few queries (2..``GROUPED_MATMUL_MAX`` positions: a verification block, a batched round's block) go through two
+A few queries (2..``GROUPED_MATMUL_MAX`` positions where measured faster: a verification block, a batched round's
+block) go through two
 matmuls per key/value head instead (:func:`grouped_attention`): the group's query heads and positions are one
 ``[heads/kv · W, dim]`` operand against that head's keys, so the cache is read once per key/value head. PyTorch's
 CPU SDPA reads it once per query head and query block, and its cost doubles from one position to two: measured
@@ -22,9 +23,18 @@ CPU SDPA reads it once per query head and query block, and its cost doubles from
 0.21 ms for one, where the matmuls take 0.25 ms (3 positions: 0.71 → 0.33; 4 rows: 0.15 → 0.08; one row × 1,000
 tokens, 3 positions: 0.15 → 0.10); past 8 positions SDPA's blocked kernel is as fast or faster (prefill stays on it).
 
+Which kernel wins depends on the machine: on an AMX Xeon SDPA was faster at every shape tried (16 rows × 420 tokens,
+2 positions: 99.3 ms a forward against 108.6 with the matmuls). :func:`probe_attention` times both on the model's
+attention shape once per process and sets ``GROUPED_SIZES``, the block sizes the matmuls run (measured faster), as
+``--linear auto`` measures the linears; the engines run it when they build the target's run model.
+
 On CUDA, SDPA with a mask and ``enable_gqa`` falls back to its math kernel, so this is CPU-only.
 """
 from __future__ import annotations
+
+import statistics
+import sys
+import time
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -33,7 +43,10 @@ from . import ragged
 from .models import weight_sharing_copy
 
 NAME = "adaspec_gqa_sdpa"
-GROUPED_MATMUL_MAX = 8  # the most query positions :func:`grouped_attention` takes (module docstring)
+GROUPED_MATMUL_MAX = 8  # the most query positions :func:`grouped_attention` is considered for (module docstring)
+GROUPED_SIZES = frozenset(range(2, GROUPED_MATMUL_MAX + 1))  # the masked block sizes it runs (probe_attention sets it)
+GROUPED_MARGIN = 0.97  # a block size runs the matmuls only where they measured 3% faster: a tie stays on stock SDPA
+_PROBED: dict[tuple, dict] = {}  # probe_attention's result per attention shape, once per process
 
 
 def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -58,7 +71,7 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     mask = attention_mask[:, :, :, :key.shape[-2]] if attention_mask.ndim == 4 else attention_mask
-    if (2 <= query.shape[2] <= GROUPED_MATMUL_MAX and not dropout and mask.ndim == 4 and mask.shape[1] == 1
+    if (query.shape[2] in GROUPED_SIZES and not dropout and mask.ndim == 4 and mask.shape[1] == 1
             and query.dtype in (torch.float32, torch.float64)):
         out = grouped_attention(query, key, value, mask, scaling)
     else:
@@ -83,6 +96,65 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     scores.mul_(d ** -0.5 if scale is None else scale)
     scores = scores.view(B, KV, G, W, T).add_(mask[:, :, None].to(scores.dtype)).view(B, KV, G * W, T)
     return torch.matmul(scores.softmax(-1), value).view(B, H, W, d)
+
+
+def _time_kernels(rows: int, heads: int, kv: int, dim: int, positions: int, context: int, dtype: torch.dtype,
+                  reps: int) -> dict[str, float]:
+    """Median seconds of :func:`grouped_attention` and of SDPA with ``enable_gqa`` on one masked block of ``positions``
+    queries per row over ``context`` cached keys (a verification block's causal mask), interleaved, after a warm-up."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, heads, positions, dim, generator=g, dtype=dtype)
+    k, v = (torch.randn(rows, kv, context, dim, generator=g, dtype=dtype) for _ in range(2))
+    # a boolean mask, as transformers' sdpa masks are (the matmuls turn it additive per call, a cost they pay)
+    mask = torch.ones(positions, context, dtype=torch.bool).tril(context - positions).expand(rows, 1, -1, -1)
+    kernels = {"grouped": lambda: grouped_attention(q, k, v, mask),
+               "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                                enable_gqa=True)}
+    seconds = {name: [] for name in kernels}
+    with torch.inference_mode():
+        for rep in range(reps + 1):
+            for name, run in kernels.items():
+                start = time.perf_counter()
+                run()
+                if rep:
+                    seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in seconds.items()}
+
+
+def probe_attention(model: torch.nn.Module, rows: tuple[int, ...] = (1, 16), context: int = 384, reps: int = 15,
+                    measure=_time_kernels) -> dict | None:
+    """Time the grouped matmuls against SDPA on ``model``'s attention shape (query heads, key/value heads, head
+    size, dtype) for masked blocks of 2 … ``GROUPED_MATMUL_MAX`` positions at ``rows`` rows over ``context`` cached
+    tokens, and set ``GROUPED_SIZES`` to the sizes at which the matmuls took ``GROUPED_MARGIN`` of SDPA's time or
+    less, summed over the rows (none: SDPA runs every masked block). Once per process and shape (a few tenths of a
+    second); returns {"grouped_sizes", "context", "rows", "ms": {kernel: {positions: ms summed over rows}}}, or None
+    where the model does not run this module's attention on a CPU."""
+    global GROUPED_SIZES
+    param = next(model.parameters())
+    if param.device.type != "cpu" or not any(c._attn_implementation == NAME for c in _attention_configs(model)):
+        return None
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    key = (heads, kv, dim, param.dtype, rows, context)
+    if key not in _PROBED:
+        sizes = range(2, GROUPED_MATMUL_MAX + 1)
+        ms = {"grouped": {}, "sdpa": {}}
+        for n in sizes:
+            per_row = [measure(r, heads, kv, dim, n, context, param.dtype, reps) for r in rows]
+            for name in ms:
+                ms[name][n] = round(1e3 * sum(t[name] for t in per_row), 3)
+        grouped = [n for n in sizes if ms["grouped"][n] < GROUPED_MARGIN * ms["sdpa"][n]]
+        _PROBED[key] = {"grouped_sizes": grouped, "context": context, "rows": list(rows),
+                        "ms": {name: {str(n): v for n, v in per.items()} for name, per in ms.items()}}
+        what = (f"grouped matmuls for blocks of {','.join(map(str, grouped))} positions, SDPA for the others"
+                if grouped else "SDPA for every masked block")
+        print(f"attention probe: {what} (blocks of {sizes[0]}..{sizes[-1]} positions at {'+'.join(map(str, rows))} "
+              f"rows × {context} tokens: " + ", ".join(f"{k} {'/'.join(f'{v:.2f}' for v in per.values())} ms"
+                                                     for k, per in ms.items()) + ")", file=sys.stderr)
+    GROUPED_SIZES = frozenset(_PROBED[key]["grouped_sizes"])
+    return _PROBED[key]
 
 
 def _register() -> None:

@@ -347,6 +347,7 @@ class Target:
         self.compiled = CompiledForward(model) if compile else None
         self.linear = "stock"  # how ``model``'s linears run: stock, onednn or mixed (decode/core/linear.py); build_engine records it
         self.linear_probe: dict | None = None  # --linear auto's measurement (build_engine), else None
+        self.attention_probe: dict | None = None  # decode/core/attention.py probe_attention's (build_engine)
         self.forwards = 0
         self.prefill_hidden: HiddenStates | None = None
         # layers of HiddenStates.extra besides the final state, in column order (d columns each); arms add

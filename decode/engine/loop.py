@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..choose.arms.base import Arm, ArmEnv, build_arms
-from ..core.attention import gqa_attention_model
+from ..core.attention import gqa_attention_model, probe_attention
 from ..core.cost import CostCurve, probe
 from ..common.device import synchronize
 from ..core.draft import RoundRecord, StepResult, StepTimes
@@ -315,17 +315,19 @@ class SpecEngine:
         return self.finish(state)
 
 
-def target_run_model(model, linear: str) -> tuple[torch.nn.Module, str, dict | None]:
+def target_run_model(model, linear: str) -> tuple[torch.nn.Module, str, dict]:
     """The model our engines run the target as: its linear layers as ``linear`` (a resolved kind of
     decode/core/linear.py; ``auto`` measured here) and, on a CPU, grouped-query attention that reads the cache's
-    heads as they are (decode/core/attention.py). ``model`` itself is not modified. Returns (run model, the
-    linear kind, the probe's measurements or None)."""
+    heads as they are (decode/core/attention.py; its kernel for a few masked positions measured here too).
+    ``model`` itself is not modified. Returns (run model, the linear kind, {"linear": --linear auto's measurements,
+    "attention": the attention probe's}, each None where nothing was measured)."""
     probe = None
     if linear == "auto":  # resolve_linear leaves auto where packing is usable: measure which runs faster here
         linear, run_model, probe = probe_linear(model)
     else:
         run_model = linear_model(model, linear)
-    return gqa_attention_model(run_model, in_place=run_model is not model), linear, probe
+    run_model = gqa_attention_model(run_model, in_place=run_model is not model)
+    return run_model, linear, {"linear": probe, "attention": probe_attention(run_model)}
 
 
 def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfig, generator: torch.Generator, *,
@@ -338,9 +340,9 @@ def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfi
     the hf reference keeps running it, and arms that copy or load weights into target modules (EAGLE's layer,
     early-exit stacks) build on it, never on packed weights that a later ``load_state_dict`` would not reach.
     The target returns hidden states when an arm or ``needs_hidden`` (a length controller) reads them."""
-    run_model, linear, probe = target_run_model(model, linear)
+    run_model, linear, probes = target_run_model(model, linear)
     target = Target(run_model, tokenizer, want_hidden=False, cache=cache, compile=compile)
-    target.linear, target.linear_probe = linear, probe
+    target.linear, target.linear_probe, target.attention_probe = linear, probes["linear"], probes["attention"]
     env = ArmEnv(model, tokenizer, sampling, generator, target_name=target_name,
                  trust_remote_code=trust_remote_code, target=target, cache=cache)
     arms = build_arms(arm_specs, env)

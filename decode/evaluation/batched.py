@@ -128,12 +128,13 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
     encoded = [encode_prompt(tok, p.text) for p in prompts]
     eos = eos_token_ids(model, tok)
     pad = pad_token_id(tok, eos)
-    run, linear, probe = target_run_model(model, cfg.linear)
+    run, linear, probes = target_run_model(model, cfg.linear)
     env = ArmEnv(model, tok, sampling)
     if header is None:
         saved = {k: v for k, v in cfg.to_dict().items() if k not in ("fresh", "no_progress", "no_plots")}
         header = {"format": FORMAT, "config": saved, "prompts": keys, "methods": names,
-                  "environment": environment, "linear": linear, "linear_probe": probe}
+                  "environment": environment, "linear": linear, "linear_probe": probes["linear"],
+                  "attention_probe": probes["attention"]}
     done = {(r["B"], r["segment"], r["method"]) for r in records if "B" in r}
     refs = {r["prompt_id"]: r["token_ids"] for r in records if r.get("kind") == "reference"}
 

@@ -285,7 +285,7 @@ def evaluate(cfg: EvalConfig) -> int:
                   "methods": [{"name": m.name, "kind": m.kind} for m in methods], "arm_labels": labels,
                   "peer_settings": {p.name: getattr(p, "settings", {}) for p in peers},
                   "environment": _environment(device), "compile": compile_info,
-                  "linear_probe": engine.target.linear_probe}
+                  "linear_probe": engine.target.linear_probe, "attention_probe": engine.target.attention_probe}
     log = JsonlLog(cfg.records_path, keep_bytes=good_bytes if records else 0)
     try:
         if not records:

@@ -321,8 +321,9 @@ def build_report(header: dict, records: list[dict]) -> tuple[dict, str]:
     config.update(header.get("environment", {}))
     if header.get("compile"):
         config["compile_info"] = header["compile"]
-    if header.get("linear_probe"):
-        config["linear_probe"] = header["linear_probe"]
+    for probe in ("linear_probe", "attention_probe"):
+        if header.get(probe):
+            config[probe] = header[probe]
     report = {"schema_version": SCHEMA, "config": config, "complete": len(done) == len(prompts), "records": recs,
               "summary": summary, "warnings": warnings}
     table = markdown_table(summary, cats, warnings)
