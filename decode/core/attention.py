@@ -15,13 +15,13 @@ summation order only (another kernel path, like scoring n positions instead of o
 ``generate`` is what the tests and every evaluation's lossless column check.
 
 A few queries (2..``GROUPED_MATMUL_MAX`` positions where measured faster: a verification block, a batched round's
-block) go through two
-matmuls per key/value head instead (:func:`grouped_attention`): the group's query heads and positions are one
-``[heads/kv · W, dim]`` operand against that head's keys, so the cache is read once per key/value head. PyTorch's
-CPU SDPA reads it once per query head and query block, and its cost doubles from one position to two: measured
-(2 threads, Zen 5, 9 query / 3 KV heads of 64) at 16 rows × 300 cached tokens 0.51 ms for 2 positions against
-0.21 ms for one, where the matmuls take 0.25 ms (3 positions: 0.71 → 0.33; 4 rows: 0.15 → 0.08; one row × 1,000
-tokens, 3 positions: 0.15 → 0.10); past 8 positions SDPA's blocked kernel is as fast or faster (prefill stays on it).
+block) go through two matmuls per key/value head instead (:func:`grouped_attention`): the group's query heads and
+positions are one ``[heads/kv · W, dim]`` operand against that head's keys, so the cache is read once per key/value
+head. PyTorch's CPU SDPA reads it once per query head and query block, and its cost doubles from one position to
+two: measured (2 threads, Zen 5, 9 query / 3 KV heads of 64) at 16 rows × 300 cached tokens 0.51 ms for 2 positions
+against 0.21 ms for one, where the matmuls take 0.25 ms (3 positions: 0.71 → 0.33; 4 rows: 0.15 → 0.08; one row ×
+1,000 tokens, 3 positions: 0.15 → 0.10); past 8 positions SDPA's blocked kernel is as fast or faster (prefill stays
+on it).
 
 Which kernel wins depends on the machine: on an AMX Xeon SDPA was faster at every shape tried (16 rows × 420 tokens,
 2 positions: 99.3 ms a forward against 108.6 with the matmuls). :func:`probe_attention` times both on the model's
