@@ -133,10 +133,7 @@ def probe_attention(model: torch.nn.Module, rows: tuple[int, ...] = (1, 16), con
     param = next(model.parameters())
     if param.device.type != "cpu" or not any(c._attn_implementation == NAME for c in _attention_configs(model)):
         return None
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv, dim = _attention_shape(model)
     key = (heads, kv, dim, param.dtype, rows, context)
     if key not in _PROBED:
         sizes = range(2, GROUPED_MATMUL_MAX + 1)
@@ -157,6 +154,14 @@ def probe_attention(model: torch.nn.Module, rows: tuple[int, ...] = (1, 16), con
     return _PROBED[key]
 
 
+def _attention_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head size) of ``model``'s decoder attention."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    return (heads, getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -170,8 +175,7 @@ def gqa_attention_model(model: torch.nn.Module, *, in_place: bool = False) -> to
     key/value heads; else ``model`` itself. The result is a copy of the module tree that shares every parameter
     and buffer with ``model`` (only its config differs), so ``model`` keeps running as it did; ``in_place``
     changes ``model`` itself instead (a copy made for the run already, e.g. the packed-linear one)."""
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads, kv, _ = _attention_shape(model)
     device = next(model.parameters()).device
     if getattr(model.config, "_attn_implementation", None) != "sdpa" or kv == heads or device.type != "cpu":
         return model

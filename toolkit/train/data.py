@@ -103,7 +103,6 @@ def _with_answers(ds, section: DataSection, task: str):
     except UserError as exc:
         raise UserError(f"data.answers={folder}: {exc}; pass a `python -m toolkit answers` folder "
                         f"(e.g. pretrained/<target>/answers) or data.answers=null") from None
-    tasks = sorted(record["tasks"]) if task == ALL_TASKS else [task]
     if task != ALL_TASKS and task not in record["tasks"]:
         raise UserError(f"data.answers={folder}: no {task} answers there (it has "
                         f"{', '.join(sorted(record['tasks'])) or 'none'}); pass data.answers=null")
@@ -112,7 +111,7 @@ def _with_answers(ds, section: DataSection, task: str):
              "prompt_ids": r["prompt_ids"], "response": "", "response_ids": r["response_ids"],
              "temperature": r["temperature"], "finish_reason": r["finish_reason"],
              "prompt_tokens": len(r["prompt_ids"]), "response_tokens": len(r["response_ids"]), "filtered": ""}
-            for t in tasks for r in load_answers(folder, t) if r["id"] not in seen]
+            for r in load_answers(folder, None if task == ALL_TASKS else task) if r["id"] not in seen]
     if not rows:
         return ds
     return concatenate_datasets([ds, Dataset.from_list(rows, features=ds.features)])
