@@ -170,6 +170,28 @@ def test_cost_controller_picks_the_argmax_of_expected_tokens_per_cost(accepts, c
     assert ctl.rates(7, 2) == [0.5, 0.5]
 
 
+def test_a_position_never_reached_is_expected_to_do_as_the_one_before():
+    """An arm whose 2-token drafts were mostly accepted whole (a copy on an extraction prompt): its third position, never
+    drafted, is expected at the second's rate, so where 4 positions cost a jump the controller still drafts past 2
+    (with a flat 1/2 prior there it planned 2 for ever: E(3)/c(4) < E(2)/c(3)); a position whose data say otherwise
+    keeps its own rate."""
+    c = _curve([(1, 0.03), (2, 0.03 * 1.07), (3, 0.03 * 1.20), (4, 0.03 * 1.44), (5, 0.03 * 1.49)])
+    ctl = build_length("cost:prior=1")
+    ctl.use_cost(c)
+    for accepted in [2] * 40 + [1] * 5 + [0] * 5:
+        ctl.update(2, Outcome(accepted=accepted, tokens=[0] * (accepted + 1), tv=[], accept_prob=[]), arm=0)
+    a = ctl.rates(0, 4)
+    assert a[0] == pytest.approx(46 / 52) and a[1] == pytest.approx((40 + 2 * a[0]) / 47)
+    assert a[2] == a[3] == pytest.approx(a[1])  # never reached: the rate before
+    flat = [a[0], a[1], 0.5, 0.5]
+    costs = {n: c.steps(n, 100) for n in range(2, 6)}
+    assert _brute_force(flat, costs, 0.0) == 2  # what the flat prior planned
+    assert ctl.plan(0, 4, context=100)[0] == _brute_force(a, costs, 0.0) == 4
+    for _ in range(200):  # drafted to 4: position 3 is now rejected every time
+        ctl.update(4, Outcome(accepted=2, tokens=[0] * 3, tv=[], accept_prob=[]), arm=0)
+    assert ctl.rates(0, 3)[2] < 0.05 and ctl.plan(0, 4, context=100)[0] == 2
+
+
 def test_cost_controller_spec_errors():
     with pytest.raises(UserError, match="prior"):
         build_length("cost:prior=0")

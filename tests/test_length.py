@@ -224,3 +224,40 @@ def test_tree_drafts_report_their_depth_to_the_length_controller(spec):
     else:
         assert ctl.reached[0] == ctl.accepted[0] == [3] * L  # nothing reached at depth L + 1
     assert seen == [(L, L)] * 3  # every round: depth 3 drafted, depth 3 accepted
+
+
+def test_a_pools_length_is_what_eval_and_generate_run_unless_length_names_one(tmp_path):
+    """A pool file's ``length`` (the shipped pool's ``cost``) is the run's controller when no --length is given;
+    an explicit --length wins; batched rounds (``--batch``) keep choosing lengths from the batch's cost."""
+    import argparse
+
+    import yaml
+
+    from decode.commands import generate
+    from decode.evaluation import evaluate
+    from decode.evaluation.eval_config import EvalConfig
+
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(yaml.safe_dump({"arms": ["pld:L=4", "suffix:L=3"], "length": "cost:prior=2"}))
+
+    def eval_config(*extra):
+        p = argparse.ArgumentParser()
+        evaluate.add_arguments(p)
+        return EvalConfig.from_args(p.parse_args(["--arms", "", "--pool", str(pool), "--out",
+                                                  str(tmp_path / "r.json"), *extra]))
+
+    assert eval_config().length == "cost:prior=2"
+    assert eval_config("--length", "beta-ts").length == "beta-ts"
+    assert eval_config("--batch", "2").length is None
+    assert eval_config().arms == ["pld:L=4", "suffix:L=3"]
+
+    def generate_args(*extra):
+        p = argparse.ArgumentParser()
+        generate.add_arguments(p)
+        args = p.parse_args(["hi", "--arms", "", "--pool", str(pool), *extra])
+        generate.check_args(args)
+        return args
+
+    assert generate_args().length == "cost:prior=2"
+    assert generate_args("--length", "fixed").length == "fixed"
+    assert build_length(generate_args().length).name == "cost"

@@ -73,7 +73,9 @@ def test_ship_writes_a_float16_folder_that_drafts_like_the_original(trained_head
 
 def test_the_shipped_pool_resolves_from_any_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    specs = load_pool(REPO / "recipes/pools/pretrained.yaml")
+    shipped = load_pool(REPO / "recipes/pools/pretrained.yaml")
+    assert shipped.length == "cost"  # each arm's L is a cap; the machine's cost curve picks the length
+    specs = shipped.arms
     eagle = next(s for s in specs if s.startswith("eagle:"))
     path = eagle.split("path=")[1].split(",")[0]
     assert Path(path).is_absolute() and (Path(path) / "head.json").is_file() and "L=3" in eagle

@@ -342,18 +342,22 @@ def test_pool_file_to_arm_specs(tmp_path, tiny_target_dir):
     pool.write_text(yaml.safe_dump({"target": "t1", "L": 3, "drafters": [{"name": "math", "path": str(exp)},
                                                                            {"path": str(exp), "L": 5}],
                                     "arms": ["pld:L=4", "suffix:L=6"]}))
-    assert load_pool(pool) == [f"drafter:path={exp},L=3,name=math", f"drafter:path={exp},L=5,name=math",
-                               "pld:L=4", "suffix:L=6"]
+    assert load_pool(pool).arms == [f"drafter:path={exp},L=3,name=math", f"drafter:path={exp},L=5,name=math",
+                                    "pld:L=4", "suffix:L=6"]
+    assert load_pool(pool).length is None  # no `length`: the run's --length decides
     # a union's sub-arms' paths resolve like any arm's (relative to the repository root or the working directory)
     union = "union:arms=eagle:path=pretrained/smollm2-135m-instruct/eagle:L=2+pld:L=4,nodes=6"
     pool.write_text(yaml.safe_dump({"arms": [union]}))
     head = REPO / "pretrained/smollm2-135m-instruct/eagle"
-    assert load_pool(pool) == [f"union:arms=eagle:path={head}:L=2+pld:L=4,nodes=6"]
+    assert load_pool(pool).arms == [f"union:arms=eagle:path={head}:L=2+pld:L=4,nodes=6"]
     bad = [({"drafters": [{"name": "x", "path": str(tmp_path / "none")}]}, "'x'.*point path at the export/ folder"),
            ({"target": "t2", "drafters": [{"path": str(exp)}]}, "trained for target 't1'"),
            ({"arms": ["warp:L=2"]}, "unknown arm 'warp'"),
            ({"arms": [f"union:arms=eagle:path={tmp_path / 'nohead'}:L=2+pld"]}, "nohead does not exist"),
            ({"arms": ["pld"], "size": 3}, "unknown field"),
+           ({"arms": ["pld"], "length": "longest"}, "length 'longest'.*longest"),
+           ({"arms": ["pld"], "length": "cost:prior=0"}, "length 'cost:prior=0'.*prior must be > 0"),
+           ({"arms": ["pld"], "length": 3}, "length must be a draft-length controller spec"),
            ({}, "names no drafters and no arms")]
     for data, needle in bad:
         pool.write_text(yaml.safe_dump(data))

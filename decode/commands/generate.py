@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="ucbspec",
                    help="one policy spec choosing the arm each round, e.g. 'ducb:discount=0.9,c=0.1' "
                         "(default: %(default)s)")
-    p.add_argument("--length", help="draft-length controller, as in `decode eval`: fixed (default), beta-ts, cali-ts")
+    p.add_argument("--length", help="draft-length controller, as in `decode eval`: fixed, beta-ts, cali-ts, cost "
+                                    "(default: the pool's `length`, else fixed)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="integer >= 1 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help=f"integer in [0, {MAX_SEED}]; every prompt starts from it")
     add_decoding_arguments(p)
@@ -226,8 +227,11 @@ def check_args(args) -> tuple[list[str], str, SamplingConfig]:
     if args.interactive and args.prompt is not None:
         raise UserError("--interactive reads its prompts at the '>>>' prompt; drop the PROMPT argument "
                         "(or drop --interactive to decode just that prompt)")
-    from ..engine.pools import collect_arm_specs
-    specs = collect_arm_specs(args.arms, args.pool, DEFAULT_ARMS)
+    from ..engine.pools import collect_arms
+    collected = collect_arms(args.arms, args.pool, DEFAULT_ARMS)
+    specs = collected.arms
+    if args.length is None:  # the pool's draft-length controller, unless --length names one
+        args.length = collected.length
     policies = split_specs(args.policy or "")
     if len(policies) != 1:
         raise UserError(f"--policy takes exactly one policy spec (e.g. 'ucbspec' or 'ducb:discount=0.9,c=0.1'), "

@@ -8,6 +8,12 @@ Format::
       - {name: math, path: runs/drafters/cpu-small/math/export}
       - {name: code, path: runs/drafters/cpu-small/code/export, L: 5}
     arms: [pld:L=4, suffix:L=6]       # any other arm specs, as for --arms
+    length: cost                      # optional: the draft-length controller of sequential decoding
+
+``length`` is what ``decode eval`` and ``decode generate`` run when no ``--length`` is given (then every L above is
+a cap): the shipped pool asks for ``cost``, which drafts per round the length that pays most on the machine's
+measured verification curve, so one pool file suits a CPU whose cost jumps at 4 positions and one where it is
+flat. Batched rounds (``--batch``, ``decode serve``) choose lengths from the batch's cost whatever the pool says.
 
 Relative paths — a drafter's ``path`` and the ``path=`` of an arm spec (``eagle:path=pretrained/...,L=2``) —
 are resolved against the repository root first, then the working directory, so a pool file works from any
@@ -16,13 +22,14 @@ directory.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.errors import UserError
 from ..common.io import REPO_ROOT, resolve_repo_path
 from ..common.specs import parse_spec
 
-_KEYS = {"target", "L", "drafters", "arms", "description"}
+_KEYS = {"target", "L", "drafters", "arms", "description", "length"}
 _DRAFTER_KEYS = {"name", "path", "L"}
 
 
@@ -49,8 +56,16 @@ def _train_command(path: str) -> str:
     return f"`{cmd}` (after {data})"
 
 
-def load_pool(path: str | Path) -> list[str]:
-    """Arm spec strings for a pool file: one ``drafter:path=...,L=...,name=...`` per drafter, then the arms."""
+@dataclass(frozen=True)
+class Pool:
+    """Arms to decode with, and the draft-length controller a pool file asks for (None: the run's own)."""
+    arms: list[str]
+    length: str | None = None
+
+
+def load_pool(path: str | Path) -> Pool:
+    """A pool file's arm specs (one ``drafter:path=...,L=...,name=...`` per drafter, then the arms) and its
+    ``length``."""
     import yaml
 
     from ..choose.arms import arm_names
@@ -111,7 +126,22 @@ def load_pool(path: str | Path) -> list[str]:
         specs.append(_with_paths_resolved(spec.strip(), f"pool {p}: arms[{i}] '{spec}'"))
     if not specs:
         raise UserError(f"pool {p} names no drafters and no arms; add entries under 'drafters' or 'arms'")
-    return specs
+    return Pool(specs, _length(data.get("length"), f"pool {p}"))
+
+
+def _length(spec, where: str) -> str | None:
+    """A pool's ``length``, checked as ``--length`` is (name and parameters)."""
+    if spec is None:
+        return None
+    from ..choose.length import build_length, length_names
+    if not isinstance(spec, str) or not spec.strip():
+        raise UserError(f"{where}: length must be a draft-length controller spec ({', '.join(length_names())}, "
+                        f"e.g. 'cost'), got {spec!r}")
+    try:
+        build_length(spec)
+    except UserError as exc:
+        raise UserError(f"{where}: length '{spec}': {exc}") from None
+    return spec.strip()
 
 
 def _with_paths_resolved(spec: str, where: str) -> str:
@@ -132,15 +162,17 @@ def _with_paths_resolved(spec: str, where: str) -> str:
     return f"{name}:" + ",".join(f"{k}={v}" for k, v in params.items())
 
 
-def collect_arm_specs(arms: str | None, pool: str | None, example: str) -> list[str]:
+def collect_arms(arms: str | None, pool: str | None, example: str) -> Pool:
     """The arm specs of ``--arms`` (';'-separated) followed by ``--pool``'s, every spec checked as far as it can
     be without a model (name, typed and ranged parameters, the head or drafter folder it names:
-    decode/choose/arms/base.py check_arm_spec); ``example`` is the --arms value an error suggests."""
+    decode/choose/arms/base.py check_arm_spec), with the pool's ``length``; ``example`` is the --arms value an
+    error suggests."""
     from ..choose.arms import arm_names, check_arm_spec
     from ..common.specs import split_specs
-    specs = split_specs(arms or "")
+    specs, length = split_specs(arms or ""), None
     if pool:
-        specs += load_pool(pool)
+        read = load_pool(pool)
+        specs, length = specs + read.arms, read.length
     if not specs:
         raise UserError(f"no arms: pass --arms (e.g. '{example}') or --pool")
     known = arm_names()
@@ -149,4 +181,4 @@ def collect_arm_specs(arms: str | None, pool: str | None, example: str) -> list[
         if name not in known:
             raise UserError(f"--arms: unknown arm '{name}' in '{s}'; known arms: {', '.join(known)}")
         check_arm_spec(s)
-    return specs
+    return Pool(specs, length)

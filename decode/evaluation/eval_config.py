@@ -184,8 +184,9 @@ class EvalConfig:
         cfg.check_outputs()
         if a.get("categories") is not None:
             cfg.categories = [c.strip() for c in a["categories"].split(",") if c.strip()]
-        from ..engine.pools import collect_arm_specs
-        cfg.arms = collect_arm_specs(a.get("arms"), cfg.pool, "pld:L=4;suffix:L=6")  # each spec checked
+        from ..engine.pools import collect_arms
+        collected = collect_arms(a.get("arms"), cfg.pool, "pld:L=4;suffix:L=6")  # each spec checked
+        cfg.arms = collected.arms
         cfg.policies = parse_policy_specs(a.get("policies") or "")
         from ..choose.policies import build_policy
         for spec in cfg.policies:  # names, typed and ranged parameters (the engine's draft length is not known yet)
@@ -202,6 +203,8 @@ class EvalConfig:
         if a.get("batch"):
             cfg.batch = parse_batch_sizes(a["batch"])
             cfg.check_batched()
+        elif cfg.length is None:  # the pool's controller (batched rounds choose lengths from the batch's cost)
+            cfg.length = collected.length
         return cfg
 
     def check_batched(self) -> None:

@@ -61,8 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="peer decoders run in the same loop as every method, specs separated by ';': "
                         + peers_help())
     p.add_argument("--length", help="draft-length controller for every arm and policy run (a fresh one per "
-                                    "method): fixed (default), beta-ts[:alpha=..,beta=..], "
-                                    "cali-ts[:predictor=top1|<calibrator folder>]")
+                                    "method; default: the pool's `length`, else fixed): fixed, "
+                                    "beta-ts[:alpha=..,beta=..], cali-ts[:predictor=top1|<calibrator folder>], "
+                                    "cost[:prior=1] (each arm's L becomes a cap)")
     p.add_argument("--record-traces", metavar="PATH",
                    help="also record counterfactual traces (every arm scored at every position of the "
                         "autoregressive output) for `decode simulate --traces PATH`; an extra pass per prompt")

@@ -28,7 +28,7 @@ from ...core.linear import LINEAR_KINDS
 from ...core.models import DEFAULT_TARGET, cache_dir
 from ...choose.policies import build_policy
 from ...choose.policies.simple import Fixed
-from ...engine.pools import REPO_ROOT, collect_arm_specs, load_pool
+from ...engine.pools import REPO_ROOT, collect_arms, load_pool
 from ...core.sampling import SamplingConfig
 from ...common.specs import split_specs
 from ...evaluation.suites import encode_prompt
@@ -94,11 +94,11 @@ def arm_specs(args) -> list[str]:
     if args.arms is None and args.pool is None:
         if args.target == DEFAULT_TARGET and SHIPPED_POOL.exists():
             try:
-                return load_pool(SHIPPED_POOL)
+                return load_pool(SHIPPED_POOL).arms
             except UserError as exc:  # e.g. the trained head is not there: say so, serve model-free arms
                 print(f"note: the shipped pool is not usable ({exc}); serving {MODEL_FREE_ARMS}", file=sys.stderr)
         return split_specs(MODEL_FREE_ARMS)
-    return collect_arm_specs(args.arms, args.pool, MODEL_FREE_ARMS)
+    return collect_arms(args.arms, args.pool, MODEL_FREE_ARMS).arms
 
 
 def check_args(args) -> None:
