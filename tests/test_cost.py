@@ -171,10 +171,10 @@ def test_cost_controller_picks_the_argmax_of_expected_tokens_per_cost(accepts, c
 
 
 def test_a_position_never_reached_is_expected_to_do_as_the_one_before():
-    """An arm whose 2-token drafts were mostly accepted whole (a copy on an extraction prompt): its third position, never
-    drafted, is expected at the second's rate, so where 4 positions cost a jump the controller still drafts past 2
-    (with a flat 1/2 prior there it planned 2 for ever: E(3)/c(4) < E(2)/c(3)); a position whose data say otherwise
-    keeps its own rate."""
+    """An arm whose 2-token drafts were mostly accepted whole (a copy on an extraction prompt): its third position,
+    never drafted, is expected at the second's rate, so where 4 positions cost a jump the controller still drafts
+    past 2 (with a flat 1/2 prior there it planned 2 for ever: E(3)/c(4) < E(2)/c(3)); a position whose data say
+    otherwise keeps its own rate."""
     c = _curve([(1, 0.03), (2, 0.03 * 1.07), (3, 0.03 * 1.20), (4, 0.03 * 1.44), (5, 0.03 * 1.49)])
     ctl = build_length("cost:prior=1")
     ctl.use_cost(c)

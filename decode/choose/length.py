@@ -224,8 +224,8 @@ class CostAware(LengthController):
     copies were accepted whole at positions 1–2 (prompt lookup on an extraction prompt) looked worse at 3 than it
     was, and where a third position costs a jump (4 positions 1.44 steps against 3 at 1.20 on an AMX Xeon) the
     controller never drafted it, so never learnt otherwise. The arm drafts k* tokens (fewer when it runs out;
-    token 0 is always drafted, so a pool that may not speculate at all holds ``none`` for the policy to pick). Per arm, reset per query unless ``carry``.
-    ``plans`` records every round's choice (k*, expected tokens, expected cost) per arm for reports.
+    token 0 is always drafted, so a pool that may not speculate at all holds ``none`` for the policy to pick). Per
+    arm, reset per query unless ``carry``. ``plans`` records every round's choice (k*, expected tokens, expected cost) per arm for reports.
 
     Confidence stopping (``confidence=true``; off by default: with the shipped EAGLE head it measured no faster
     than the k* plan, 23.9 vs 24.4 tokens/s at L=5 on Spec-Bench dev, 13 × 1 prompts, interleaved): an arm that drafts from a distribution (EAGLE,
