@@ -225,11 +225,13 @@ class CostAware(LengthController):
     was, and where a third position costs a jump (4 positions 1.44 steps against 3 at 1.20 on an AMX Xeon) the
     controller never drafted it, so never learnt otherwise. The arm drafts k* tokens (fewer when it runs out;
     token 0 is always drafted, so a pool that may not speculate at all holds ``none`` for the policy to pick). Per
-    arm, reset per query unless ``carry``. ``plans`` records every round's choice (k*, expected tokens, expected cost) per arm for reports.
+    arm, reset per query unless ``carry``. ``plans`` records every round's choice (k*, expected tokens, expected
+    cost) per arm for reports.
 
     Confidence stopping (``confidence=true``; off by default: with the shipped EAGLE head it measured no faster
-    than the k* plan, 23.9 vs 24.4 tokens/s at L=5 on Spec-Bench dev, 13 × 1 prompts, interleaved): an arm that drafts from a distribution (EAGLE,
-    early exit, drafter models) shows the controller each token's distribution before the next one is drafted,
+    than the k* plan, 23.9 vs 24.4 tokens/s at L=5 on Spec-Bench dev, 13 × 1 prompts, interleaved; with the fifth
+    head over the shipped pool on dev 13 × 2, the router 35.8 against 36.1 tokens/s): an arm that drafts from a
+    distribution (EAGLE, early exit, drafter models) shows the controller each token's distribution before the next one is drafted,
     so the plan is revised token by token. Drafted token j's acceptance is then â(q_j), its confidence q_j
     (the distribution's top probability) calibrated on what this arm's tokens of that confidence actually
     did: per arm and confidence decile, (accepted + s·q) / (reached + s) with s = ``prior_weight``
