@@ -231,8 +231,8 @@ class CostAware(LengthController):
     Confidence stopping (``confidence=true``; off by default: with the shipped EAGLE head it measured no faster
     than the k* plan, 23.9 vs 24.4 tokens/s at L=5 on Spec-Bench dev, 13 × 1 prompts, interleaved; with the fifth
     head over the shipped pool on dev 13 × 2, the router 35.8 against 36.1 tokens/s): an arm that drafts from a
-    distribution (EAGLE, early exit, drafter models) shows the controller each token's distribution before the next one is drafted,
-    so the plan is revised token by token. Drafted token j's acceptance is then â(q_j), its confidence q_j
+    distribution (EAGLE, early exit, drafter models) shows the controller each token's distribution before the
+    next one is drafted, so the plan is revised token by token. Drafted token j's acceptance is then â(q_j), its confidence q_j
     (the distribution's top probability) calibrated on what this arm's tokens of that confidence actually
     did: per arm and confidence decile, (accepted + s·q) / (reached + s) with s = ``prior_weight``
     pseudo-observations at q itself (the drafter's own word until the data speak). Before drafting token i
