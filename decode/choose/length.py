@@ -228,18 +228,18 @@ class CostAware(LengthController):
     arm, reset per query unless ``carry``. ``plans`` records every round's choice (k*, expected tokens, expected
     cost) per arm for reports.
 
-    Confidence stopping (``confidence=true``; off by default: with the shipped EAGLE head it measured no faster
-    than the k* plan, 23.9 vs 24.4 tokens/s at L=5 on Spec-Bench dev, 13 × 1 prompts, interleaved; with the fifth
-    head over the shipped pool on dev 13 × 2, the router 35.8 against 36.1 tokens/s): an arm that drafts from a
-    distribution (EAGLE, early exit, drafter models) shows the controller each token's distribution before the
-    next one is drafted, so the plan is revised token by token. Drafted token j's acceptance is then â(q_j), its confidence q_j
-    (the distribution's top probability) calibrated on what this arm's tokens of that confidence actually
-    did: per arm and confidence decile, (accepted + s·q) / (reached + s) with s = ``prior_weight``
-    pseudo-observations at q itself (the drafter's own word until the data speak). Before drafting token i
-    the controller compares E_i / cost(i) — tokens expected from the i tokens already drafted — with the best
-    E_k / cost(k) over k = i+1 … max_len (tokens beyond i at the arm's position rates a); it drafts on only
-    when some longer draft pays more per step of cost on the curve. The round's recorded plan is the one it
-    finally stopped at. Deterministic arms (prompt lookup, suffix) show no distribution and keep k*.
+    Confidence stopping (``confidence=true``; off by default: with the shipped EAGLE head it measured no faster than
+    the k* plan, 23.9 vs 24.4 tokens/s at L=5 on Spec-Bench dev, 13 × 1 prompts, interleaved; with the fifth head
+    over the shipped pool on dev 13 × 2, the router 35.8 against 36.1 tokens/s): an arm that drafts from a
+    distribution (EAGLE, early exit, drafter models) shows the controller each token's distribution before the next
+    one is drafted, so the plan is revised token by token. Drafted token j's acceptance is then â(q_j), its
+    confidence q_j (the distribution's top probability) calibrated on what this arm's tokens of that confidence
+    actually did: per arm and confidence decile, (accepted + s·q) / (reached + s) with s = ``prior_weight``
+    pseudo-observations at q itself (the drafter's own word until the data speak). Before drafting token i the
+    controller compares E_i / cost(i) — tokens expected from the i tokens already drafted — with the best E_k /
+    cost(k) over k = i+1 … max_len (tokens beyond i at the arm's position rates a); it drafts on only when some
+    longer draft pays more per step of cost on the curve. The round's recorded plan is the one it finally stopped
+    at. Deterministic arms (prompt lookup, suffix) show no distribution and keep k*.
 
     Tree budget (EAGLE-2's dynamic tree, ``eagle:tree=dynamic``): once the tree is drafted, its candidate nodes
     ranked by value v (the product of the head's confidences along the node's path, EAGLE-2's estimate of the
