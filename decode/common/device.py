@@ -6,6 +6,10 @@ queued asynchronously is inside the measurement.
 """
 from __future__ import annotations
 
+import statistics
+import time
+from typing import Callable, Hashable
+
 import torch
 
 from .errors import UserError
@@ -54,6 +58,26 @@ def synchronize(device: torch.device | str | None) -> None:
     """Wait for queued device work (a no-op on CPU), so a timer brackets the work it means to time."""
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def seconds_of(run: Callable[[], object]) -> float:
+    """Wall seconds of one call of ``run`` (CPU work; GPU work must be synchronised by ``run`` itself)."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def interleaved_medians(measures: dict[Hashable, Callable[[], float]], reps: int) -> dict[Hashable, float]:
+    """Median of what each ``measures`` callable returns (seconds of one run) over ``reps`` rounds that call every
+    one in turn, so a machine's drift hits all alike, after one uncounted round that warms caches and oneDNN's
+    primitive cache. How the probes choose between kernels (decode/core/linear.py, decode/core/attention.py)."""
+    seconds: dict[Hashable, list[float]] = {key: [] for key in measures}
+    for rep in range(reps + 1):
+        for key, measure in measures.items():
+            t = measure()
+            if rep:
+                seconds[key].append(t)
+    return {key: statistics.median(ts) for key, ts in seconds.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

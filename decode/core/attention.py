@@ -32,13 +32,12 @@ On CUDA, SDPA with a mask and ``enable_gqa`` falls back to its math kernel, so t
 """
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..common.device import interleaved_medians, seconds_of
 from . import ragged
 from .models import weight_sharing_copy
 
@@ -107,18 +106,11 @@ def _time_kernels(rows: int, heads: int, kv: int, dim: int, positions: int, cont
     k, v = (torch.randn(rows, kv, context, dim, generator=g, dtype=dtype) for _ in range(2))
     # a boolean mask, as transformers' sdpa masks are (the matmuls turn it additive per call, a cost they pay)
     mask = torch.ones(positions, context, dtype=torch.bool).tril(context - positions).expand(rows, 1, -1, -1)
-    kernels = {"grouped": lambda: grouped_attention(q, k, v, mask),
-               "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                                                enable_gqa=True)}
-    seconds = {name: [] for name in kernels}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.inference_mode():
-        for rep in range(reps + 1):
-            for name, run in kernels.items():
-                start = time.perf_counter()
-                run()
-                if rep:
-                    seconds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in seconds.items()}
+        return interleaved_medians({"grouped": lambda: seconds_of(lambda: grouped_attention(q, k, v, mask)),
+                                    "sdpa": lambda: seconds_of(lambda: sdpa(q, k, v, attn_mask=mask, enable_gqa=True))},
+                                   reps)
 
 
 def probe_attention(model: torch.nn.Module, rows: tuple[int, ...] = (1, 16), context: int = 384, reps: int = 15,

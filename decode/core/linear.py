@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import functools
 import itertools
-import statistics
 import sys
-import time
 import weakref
 
 import torch
 
+from ..common.device import interleaved_medians, seconds_of
 from ..common.errors import UserError
 from .models import weight_sharing_copy
 
@@ -153,9 +152,7 @@ def _pack_children(module: torch.nn.Module) -> int:
 def _time_forward(model: torch.nn.Module, positions: int) -> float:
     """Seconds of one uncached forward over ``positions`` tokens: the rows every linear multiplies in a round."""
     ids = torch.arange(1, positions + 1, device=next(model.parameters()).device).unsqueeze(0)
-    start = time.perf_counter()
-    model(input_ids=ids, use_cache=False)
-    return time.perf_counter() - start
+    return seconds_of(lambda: model(input_ids=ids, use_cache=False))
 
 
 def probe_linear(model: torch.nn.Module, positions: tuple[int, ...] = (1, 2, 3, 4, 5, 6), reps: int = 4,
@@ -170,15 +167,10 @@ def probe_linear(model: torch.nn.Module, positions: tuple[int, ...] = (1, 2, 3, 
     packed = pack_linears(model)
     models = {"stock": model, "onednn": packed}
     sizes = sorted(set(int(n) for n in positions))
-    seconds = {kind: {n: [] for n in sizes} for kind in models}
     with torch.inference_mode():
-        for rep in range(reps + 1):
-            for kind, m in models.items():
-                for n in sizes:
-                    t = measure(m, n)
-                    if rep:  # the first round warms caches and oneDNN's primitive cache
-                        seconds[kind][n].append(t)
-    ms = {kind: {n: round(1e3 * statistics.median(ts), 2) for n, ts in per.items()} for kind, per in seconds.items()}
+        medians = interleaved_medians({(kind, n): functools.partial(measure, m, n) for kind, m in models.items()
+                                       for n in sizes}, reps)
+    ms = {kind: {n: round(1e3 * medians[kind, n], 2) for n in sizes} for kind in models}
     cost = {t: sum(ms["stock"][n] for n in sizes if n < t) + sum(ms["onednn"][n] for n in sizes if n >= t)
             for t in [*sizes, sizes[-1] + 1]}
     start = min(cost, key=lambda t: (cost[t], -t))
