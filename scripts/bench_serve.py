@@ -65,12 +65,32 @@ def load(s, prompts, requests: int, clients: int, max_tokens: int) -> dict:
     with ThreadPoolExecutor(clients) as pool:
         out = list(pool.map(one, range(requests)))
     wall = time.perf_counter() - t0
-    lat = sorted(o[0] for o in out)
-    rounds = metric(s.url, "adaspec_batch_rounds_total") - rounds0
-    return {"tokens_per_s": sum(len(o[1]) for o in out) / wall, "p50": statistics.median(lat),
-            "p95": lat[min(len(lat) - 1, int(0.95 * len(lat)))], "wall": wall,
-            "batch_mean": (metric(s.url, "adaspec_batch_rows_total") - rows0) / rounds if rounds else 0.0,
-            "errors": sum(o[2] is not None for o in out), "tokens": {i: o[1] for i, o in enumerate(out)}}
+    return summarise({"wall": wall, "latencies": sorted(o[0] for o in out),
+                      "completion_tokens": sum(len(o[1]) for o in out),
+                      "rounds": metric(s.url, "adaspec_batch_rounds_total") - rounds0,
+                      "rows": metric(s.url, "adaspec_batch_rows_total") - rows0,
+                      "errors": sum(o[2] is not None for o in out), "tokens": {i: o[1] for i, o in enumerate(out)}})
+
+
+def merge(acc: dict | None, r: dict) -> dict:
+    """Repeats of one cell as one: tokens/s over their summed wall time, latency quantiles over every request."""
+    if acc is None:
+        return r
+    lat = sorted(acc.pop("latencies") + r.pop("latencies"))
+    out = {"wall": acc["wall"] + r["wall"], "errors": acc["errors"] + r["errors"], "latencies": lat,
+           "completion_tokens": acc["completion_tokens"] + r["completion_tokens"],
+           "rounds": acc["rounds"] + r["rounds"], "rows": acc["rows"] + r["rows"],
+           "tokens": acc["tokens"],  # the first repeat's; a repeat that differs from it is not identical
+           "repeats_differ": acc.get("repeats_differ", False)
+           or any(acc["tokens"][i] != t for i, t in r["tokens"].items())}
+    return summarise(out)
+
+
+def summarise(r: dict) -> dict:
+    lat = r["latencies"]
+    return {**r, "tokens_per_s": r["completion_tokens"] / r["wall"], "p50": statistics.median(lat),
+            "p95": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
+            "batch_mean": r["rows"] / r["rounds"] if r["rounds"] else 0.0}
 
 
 def overhead(s, prompts, max_tokens: int) -> dict:
@@ -108,11 +128,15 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=48, help="requests per client count and server")
     p.add_argument("--clients", default="1,2,4,8,16", help="concurrent client counts")
     p.add_argument("--max-batch", default="1,8", help="one server per value (its --max-batch)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="cells per client count and server, their order rotated, summed (default: %(default)s)")
     p.add_argument("--overhead", action="store_true", help="also measure HTTP against the engine directly")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="runs/bench_serve.json")
     p.add_argument("server_args", nargs="*", help="after --: more `decode serve` flags (e.g. -- --arms 'pld:L=4')")
     a = p.parse_args()
+    if a.repeat < 1:
+        p.error(f"--repeat must be >= 1, got {a.repeat}")
 
     prompts, seen = [], {}
     for q in load_jsonl_suite(a.suite):
@@ -131,13 +155,17 @@ def main() -> int:
         if a.overhead:
             results["overhead"] = overhead(s0, prompts, a.max_tokens)
         for n, clients in enumerate(counts):
-            order = batches[n % len(batches):] + batches[:n % len(batches)]
-            got = {b: load(servers[b], prompts, a.requests, clients, a.max_tokens) for b in order}
+            got = {}
+            for rep in range(a.repeat):  # the order rotates per client count and per repeat: drift hits all alike
+                k = (n + rep) % len(batches)
+                for b in batches[k:] + batches[:k]:
+                    got[b] = merge(got.get(b), load(servers[b], prompts, a.requests, clients, a.max_tokens))
             ref = got[batches[0]]["tokens"]
             for b in batches:
                 r = got[b]
-                r["identical"] = all(r["tokens"][i] == ref[i] for i in ref if ref[i] and r["tokens"][i])
-                del r["tokens"]
+                r["identical"] = not r.pop("repeats_differ", False) and all(
+                    r["tokens"][i] == ref[i] for i in ref if ref[i] and r["tokens"][i])
+                del r["tokens"], r["latencies"]
                 print(f"{clients} clients, --max-batch {b}: {r['tokens_per_s']:.1f} tok/s, p50 {r['p50']:.2f} s, "
                       f"p95 {r['p95']:.2f} s, mean batch {r['batch_mean']:.2f}, errors {r['errors']}", file=sys.stderr)
             results[clients] = {b: got[b] for b in batches}
@@ -145,8 +173,9 @@ def main() -> int:
         chosen = {b: getattr(s.worker, "max_batch", 1) for b, s in servers.items()}
 
     print(f"\n{len(prompts)} prompts ({a.per_category}/category of {Path(a.suite).name}), {a.requests} requests per "
-          f"cell, {a.max_tokens} max tokens, greedy, {torch.get_num_threads()} thread(s), arms {', '.join(labels)}, "
-          f"policy {policy}; --max-batch {', '.join(f'{b} (= {chosen[b]})' for b in batches)}\n")
+          f"cell × {a.repeat}, {a.max_tokens} max tokens, greedy, {torch.get_num_threads()} thread(s), "
+          f"arms {', '.join(labels)}, policy {policy}; "
+          f"--max-batch {', '.join(f'{b} (= {chosen[b]})' for b in batches)}\n")
     base = batches[0]
     print("| clients | --max-batch | tokens/s | × " + base + " | p50 s | p50 ÷ " + base + " | p95 s | mean batch | "
           "errors | tokens = " + base + " |\n|---|---|---|---|---|---|---|---|---|---|")

@@ -348,3 +348,30 @@ def test_metrics_count_a_tree_rounds_positions_along_its_depth_not_its_nodes():
             if line.startswith("adaspec_acceptance_rate{")}
     assert drafted == {"1": 2.0, "2": 2.0, "3": 1.0}
     assert rate == {"1": 1.0, "2": 0.5, "3": 1.0}
+
+
+def test_one_at_a_time_rounds_take_the_pools_length_controller(tiny_target_dir, target, tmp_path):
+    """A pool that names `length: cost` is decoded with it at --max-batch 1 (as `decode generate` does), the
+    controller learning across requests; --length overrides it; a bad or misplaced --length is refused."""
+    from decode.choose.length import CostAware, LengthController
+    from decode.common.errors import UserError
+
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("length: cost\narms:\n  - pld:L=4\n  - suffix:L=6\n")
+    msgs = [{"role": "user", "content": "Write a poem about the sea"}]
+    ids, ref = reference(target, msgs, 24)
+    with RunningServer(["--target", tiny_target_dir, "--arms", "", "--pool", str(pool), "--state-file", "none",
+                        "--max-batch", "1", "--threads", "1"]) as s:
+        assert isinstance(s.worker.length, CostAware) and "draft lengths: cost" in s.log.getvalue()
+        for _ in range(2):
+            r = client(s).chat.completions.create(model=s.model, messages=msgs, max_tokens=24, temperature=0,
+                                                  extra_body={"adaspec": {"return_token_ids": True}})
+            assert r.model_extra["adaspec"]["token_ids"] == ref
+        assert s.worker.length.curve is s.worker.engine.cost and s.worker.engine.cost.samples()
+    with RunningServer(["--target", tiny_target_dir, "--arms", "", "--pool", str(pool), "--state-file", "none",
+                        "--max-batch", "1", "--threads", "1", "--length", "fixed"]) as s:
+        assert type(s.worker.length) is LengthController
+    with pytest.raises(UserError, match="--length: .*sometimes"):
+        RunningServer(["--target", tiny_target_dir, "--length", "sometimes"])
+    with pytest.raises(UserError, match="--length .*--max-batch 2.*--batch-length"):
+        RunningServer(["--target", tiny_target_dir, "--length", "cost", "--max-batch", "2"])

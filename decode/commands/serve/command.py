@@ -28,7 +28,8 @@ from ...core.linear import LINEAR_KINDS
 from ...core.models import DEFAULT_TARGET, cache_dir
 from ...choose.policies import build_policy
 from ...choose.policies.simple import Fixed
-from ...engine.pools import REPO_ROOT, collect_arms, load_pool
+from ...choose.length import build_length
+from ...engine.pools import REPO_ROOT, Pool, collect_arms, load_pool
 from ...core.sampling import SamplingConfig
 from ...common.specs import split_specs
 from ...evaluation.suites import encode_prompt
@@ -65,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft lengths of batched rounds: cost (chosen jointly for the batch from the learnt cost "
                         "of its block: speculation backs off as the batch grows), fixed (each arm's L), "
                         "schedule:<B range>=<K>,... or ema:<tiers> (default: %(default)s)")
+    p.add_argument("--length",
+                   help="draft-length controller of rounds decoded one request at a time (--max-batch 1), as in "
+                        "`decode generate`: fixed, beta-ts, cali-ts, cost (default: the pool's `length`, else fixed; "
+                        "batched rounds take --batch-length)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from a request's arrival to its last token, queueing included (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64,
@@ -89,16 +94,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
-def arm_specs(args) -> list[str]:
-    """--arms (+ --pool), or the default pool: the shipped one for the default target, model-free otherwise."""
+def arm_pool(args) -> Pool:
+    """--arms (+ --pool), or the default pool: the shipped one for the default target, model-free otherwise; with
+    the pool's draft-length controller (None: the pool names none)."""
     if args.arms is None and args.pool is None:
         if args.target == DEFAULT_TARGET and SHIPPED_POOL.exists():
             try:
-                return load_pool(SHIPPED_POOL).arms
+                return load_pool(SHIPPED_POOL)
             except UserError as exc:  # e.g. the trained head is not there: say so, serve model-free arms
                 print(f"note: the shipped pool is not usable ({exc}); serving {MODEL_FREE_ARMS}", file=sys.stderr)
-        return split_specs(MODEL_FREE_ARMS)
-    return collect_arms(args.arms, args.pool, MODEL_FREE_ARMS).arms
+        return Pool(split_specs(MODEL_FREE_ARMS))
+    return collect_arms(args.arms, args.pool, MODEL_FREE_ARMS)
 
 
 def check_args(args) -> None:
@@ -124,6 +130,14 @@ def check_args(args) -> None:
         build_policy(args.policy, 2, 1)
     except UserError as exc:
         raise UserError(f"--policy: {exc}") from None
+    if args.length is not None:
+        try:
+            build_length(args.length)
+        except UserError as exc:
+            raise UserError(f"--length: {exc}") from None
+        if (max_batch(args) or 1) > 1:
+            raise UserError(f"--length sets the draft lengths of requests decoded one at a time; with --max-batch "
+                            f"{args.max_batch} rounds are batched: pass --batch-length instead (or --max-batch 1)")
 
 
 def max_batch(args) -> int | None:
@@ -176,8 +190,10 @@ def build_server(args, err=sys.stderr):
     from .worker import BatchWorker, Worker
 
     check_args(args)
-    specs = arm_specs(args)
-    model, tok, engine, gen = load_engine(args, specs, SamplingConfig(), err)
+    pool = arm_pool(args)
+    specs, length = pool.arms, args.length or pool.length or "fixed"
+    model, tok, engine, gen = load_engine(args, specs, SamplingConfig(), err,
+                                          needs_hidden=build_length(length).needs_target_hidden)
     context = args.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if context < 2:
         raise UserError(f"{args.target} declares no max_position_embeddings; pass --max-model-len")
@@ -199,10 +215,12 @@ def build_server(args, err=sys.stderr):
         batch, make_arms = batch_engine(args, specs, model, tok, engine)
         worker = BatchWorker(engine, batch, make_arms, tok, gen, args.policy, max_batch=batch_size, **common)
     else:
-        worker = Worker(engine, tok, gen, args.policy, **common)
+        worker = Worker(engine, tok, gen, args.policy, length=length, **common)
     cfg = ServeConfig(model_name=name, context=context, request_timeout=args.request_timeout,
                       max_body_bytes=args.max_body_bytes)
     notes = [f"arms: {', '.join(labels)}", f"policy: {args.policy}", batch_note]
+    if batch_size == 1:
+        notes.append(f"draft lengths: {length}")
     if not worker.policy.carry:
         notes.append("the policy learns per request only (add carry=true to learn across requests)")
     elif state is not None:

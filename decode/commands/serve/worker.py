@@ -43,6 +43,7 @@ from ...engine.loop import SpecEngine
 from ...common.errors import UserError
 from ..generate import IncrementalText, decode_text, decoding_seconds
 from ...common.io import atomic_write_json
+from ...choose.length import build_length
 from ...choose.policies import build_policy
 from ...choose.policies.simple import Fixed
 from ...choose.policies.state import load_policy_state, policy_state
@@ -160,8 +161,12 @@ class Worker:
 
     def __init__(self, engine: SpecEngine, tokenizer, generator: torch.Generator, policy_spec: str, *,
                  metrics: ServerMetrics, max_queue: int = 64, state_file: str | Path | None = None,
-                 target: str = "target", seed: int = 0):
+                 target: str = "target", seed: int = 0, length: str = "fixed"):
         self.engine, self.tok, self.gen = engine, tokenizer, generator
+        # the draft-length controller of the pool's requests, learning across them like a carried policy;
+        # a request naming its own arms gets a fresh one (its statistics are per arm)
+        self.length_spec = length
+        self.length = build_length(length, seed)
         self.labels = [a.label for a in engine.arms]
         self.policy_spec = policy_spec
         self.policy = build_policy(policy_spec, len(self.labels), engine.max_len, seed=seed)
@@ -392,7 +397,8 @@ class Worker:
         engine.set_sampling(job.sampling)
         self.gen.manual_seed(self._seed(job))
         start = time.monotonic()
-        state = engine.begin(job.prompt_ids, policy, job.max_tokens)
+        length = self.length if job.arms is None else build_length(self.length_spec, self.policy_seed)
+        state = engine.begin(job.prompt_ids, policy, job.max_tokens, length)
         reply = Reply(job, self._decode_text)
         outcome = None
         while not state.done:
