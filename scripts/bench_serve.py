@@ -4,10 +4,12 @@ Servers run in this process (``decode.commands.serve.command.RunningServer``, th
 serve`` runs), one per ``--max-batch`` value, all loaded before anything is timed.
 
 * Load (always): for each client count in ``--clients``, ``--requests`` greedy chat requests from that many
-  concurrent openai clients, sent to each server in turn (the order rotates per client count, so machine noise
-  hits every server alike): aggregate tokens/s (completion tokens of all requests ÷ wall time), per-request
-  latency p50/p95, the mean batch size the server ran (its /metrics), errors, and whether every request's
-  tokens equal the first server's for the same prompt (greedy is lossless, whatever the batch).
+  concurrent openai clients, sent to each server in turn (the order rotates per client count and per
+  ``--repeat``, whose cells are summed, so machine drift hits every server alike): aggregate tokens/s (completion
+  tokens of all requests ÷ wall time), per-request latency p50/p95, the mean batch size the server ran and the
+  share of the wall time it spent starting requests (prefill: the same work at every batch size, so it bounds the
+  ratio batching can reach; both from its /metrics), errors, and whether every request's tokens equal the first
+  server's for the same prompt (greedy is lossless, whatever the batch).
 * Overhead (``--overhead``): on the first server, per prompt and interleaved, the engine decoding directly (what
   ``decode generate`` measures) and the same prompt through ``/v1/chat/completions``.
 
@@ -49,6 +51,7 @@ def load(s, prompts, requests: int, clients: int, max_tokens: int) -> dict:
     """``requests`` greedy chat requests (prompts in turn) from ``clients`` concurrent clients."""
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=1200)
     rounds0, rows0 = metric(s.url, "adaspec_batch_rounds_total"), metric(s.url, "adaspec_batch_rows_total")
+    prefill0 = metric(s.url, "adaspec_prefill_seconds_total")
 
     def one(i):
         q = prompts[i % len(prompts)]
@@ -69,6 +72,7 @@ def load(s, prompts, requests: int, clients: int, max_tokens: int) -> dict:
                       "completion_tokens": sum(len(o[1]) for o in out),
                       "rounds": metric(s.url, "adaspec_batch_rounds_total") - rounds0,
                       "rows": metric(s.url, "adaspec_batch_rows_total") - rows0,
+                      "prefill": metric(s.url, "adaspec_prefill_seconds_total") - prefill0,
                       "errors": sum(o[2] is not None for o in out), "tokens": {i: o[1] for i, o in enumerate(out)}})
 
 
@@ -80,6 +84,7 @@ def merge(acc: dict | None, r: dict) -> dict:
     out = {"wall": acc["wall"] + r["wall"], "errors": acc["errors"] + r["errors"], "latencies": lat,
            "completion_tokens": acc["completion_tokens"] + r["completion_tokens"],
            "rounds": acc["rounds"] + r["rounds"], "rows": acc["rows"] + r["rows"],
+           "prefill": acc["prefill"] + r["prefill"],
            "tokens": acc["tokens"],  # the first repeat's; a repeat that differs from it is not identical
            "repeats_differ": acc.get("repeats_differ", False)
            or any(acc["tokens"][i] != t for i, t in r["tokens"].items())}
@@ -90,7 +95,7 @@ def summarise(r: dict) -> dict:
     lat = r["latencies"]
     return {**r, "tokens_per_s": r["completion_tokens"] / r["wall"], "p50": statistics.median(lat),
             "p95": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
-            "batch_mean": r["rows"] / r["rounds"] if r["rounds"] else 0.0}
+            "batch_mean": r["rows"] / r["rounds"] if r["rounds"] else 0.0, "prefill_share": r["prefill"] / r["wall"]}
 
 
 def overhead(s, prompts, max_tokens: int) -> dict:
@@ -178,12 +183,13 @@ def main() -> int:
           f"--max-batch {', '.join(f'{b} (= {chosen[b]})' for b in batches)}\n")
     base = batches[0]
     print("| clients | --max-batch | tokens/s | × " + base + " | p50 s | p50 ÷ " + base + " | p95 s | mean batch | "
-          "errors | tokens = " + base + " |\n|---|---|---|---|---|---|---|---|---|---|")
+          "prefill share | errors | tokens = " + base + " |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for clients in counts:
         for b in batches:
             r, r0 = results[clients][b], results[clients][base]
             print(f"| {clients} | {b} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / r0['tokens_per_s']:.2f} | "
                   f"{r['p50']:.2f} | {r['p50'] / r0['p50']:.2f} | {r['p95']:.2f} | {r['batch_mean']:.2f} | "
+                  f"{r['prefill_share']:.0%} | "
                   f"{r['errors']} | {'yes' if r['identical'] else 'NO'} |")
     if a.overhead:
         o = results["overhead"]

@@ -233,11 +233,13 @@ def test_seeded_sampling_is_reproducible(server):
 def test_metrics_and_models(server):
     models = client(server).models.list()
     assert [m.id for m in models.data] == [server.model]
+    client(server).completions.create(model=server.model, prompt="Say hi", max_tokens=4, temperature=0)
     text = httpx.get(server.url + "/metrics", timeout=10).text
     for name in ("adaspec_requests_total", "adaspec_generation_tokens_total", "adaspec_mean_accepted_tokens",
                  "adaspec_acceptance_rate", "adaspec_arm_pulls_total", "adaspec_tokens_per_second",
                  "adaspec_queue_length"):
         assert name in text, name
+    assert float(re.search(r"^adaspec_prefill_seconds_total ([0-9.e+-]+)$", text, re.M).group(1)) > 0
 
 
 def test_a_request_past_the_timeout_is_a_504_and_the_server_goes_on(tiny_target_dir):

@@ -57,6 +57,7 @@ def test_concurrent_greedy_requests_share_rounds_and_each_equals_hf_generate(ser
     assert isinstance(server.worker, BatchWorker) and server.worker.max_batch == 4
     refs = {p: reference(target, [{"role": "user", "content": p}], 20)[1] for p in PROMPTS}
     rounds0, rows0 = _metric(server, "adaspec_batch_rounds_total"), _metric(server, "adaspec_batch_rows_total")
+    prefill0 = _metric(server, "adaspec_prefill_seconds_total")
     learnt0 = server.worker.requests_learnt
     c = client(server, timeout=120)
 
@@ -74,6 +75,7 @@ def test_concurrent_greedy_requests_share_rounds_and_each_equals_hf_generate(ser
     assert rows / rounds > 1.5  # rounds were shared: one forward advanced several requests
     assert max(r.model_extra["adaspec"]["batch_size_mean"] for _, r in results) > 1
     assert _metric(server, "adaspec_goodput_tokens_per_second") > 0
+    assert _metric(server, "adaspec_prefill_seconds_total") > prefill0  # the joins' prefills are counted
     assert server.worker.requests_learnt == learnt0 + 8  # every row's rounds taught the carried policy
     assert _metric(server, "adaspec_running") == 0 and not server.worker.batch.rows  # every row left
 

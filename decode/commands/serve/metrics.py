@@ -30,6 +30,9 @@ class ServerMetrics:
                                        "those arms ran)", registry=r)
         self.decode_seconds = Counter(f"{PREFIX}_decode_seconds", "seconds spent decoding (prefill + rounds)",
                                       registry=r)
+        self.prefill_seconds = Counter(f"{PREFIX}_prefill_seconds", "seconds spent starting requests: their prompts' "
+                                       "prefill (alone, while a batch's other rows wait) and the arms' set-up",
+                                       registry=r)
         self.mat = Gauge(f"{PREFIX}_mean_accepted_tokens", "MAT: tokens per target forward over the server's life",
                          registry=r)
         self.drafted = Counter(f"{PREFIX}_drafted_at_position", "rounds whose draft reached position i",

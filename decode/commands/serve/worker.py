@@ -398,7 +398,9 @@ class Worker:
         self.gen.manual_seed(self._seed(job))
         start = time.monotonic()
         length = self.length if job.arms is None else build_length(self.length_spec, self.policy_seed)
+        t = time.perf_counter()
         state = engine.begin(job.prompt_ids, policy, job.max_tokens, length)
+        self.metrics.prefill_seconds.inc(time.perf_counter() - t)
         reply = Reply(job, self._decode_text)
         outcome = None
         while not state.done:
@@ -572,7 +574,9 @@ class BatchWorker(Worker):
                     if hasattr(part, "generator"):
                         part.generator = gen
             verifier = Verifier(job.sampling, self.engine.verifier.backend, gen)
+            t = time.perf_counter()
             rid = self.batch.add(job.prompt_ids, job.max_tokens, arms=arms, policy=policy, verifier=verifier)
+            self.metrics.prefill_seconds.inc(time.perf_counter() - t)
         except Exception as exc:
             self._answer_failure(job, exc)
             return
