@@ -452,3 +452,52 @@ def test_cost_lengths_count_the_modules_own_forwards(model, monkeypatch, module_
         assert done[rid].tokens == plain_greedy(model, p, 16), p
     assert any(len(d) for _, _, d in seen) == eagle_drafts
     assert any(rec.arm == 1 and rec.drafted for rid in ids for rec in done[rid].rounds)  # the lookup drafts
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_a_prefix_cache_prefills_only_what_is_new_and_the_head_drafts_as_without(model, kind):
+    """Batched rows whose prompts repeat or extend an earlier one take those positions' keys, values and head
+    features from the prefix cache (decode/core/prefix_cache.py): every row equals plain greedy and drafts exactly
+    what an engine without the cache drafts, so the head read the same features."""
+    from decode.core.prefix_cache import PrefixCache
+
+    module = _module(model, kind)
+    plain, cached = (_engine(model, module, policy="fixed:arm=0") for _ in range(2))
+    cached.prefix_cache = PrefixCache(2 ** 24)
+    base = PROMPTS[0]
+    reused = []
+    for p in (base, base, base + [7, 9, 11, 7], PROMPTS[3], base[:6]):  # one at a time, as requests join
+        want, got = plain.generate([p], 12)[0], cached.generate([p], 12)[0]
+        reused.append(cached.prefix_reused)
+        assert got.tokens == want.tokens == plain_greedy(model, p, 12), p
+        assert [(r.drafted, r.accepted) for r in got.rounds] == [(r.drafted, r.accepted) for r in want.rounds], p
+        assert sum(r.drafted for r in got.rounds) > 0
+    # a repeat, an extension, another prompt, and one that shares only the first 5 of its positions (of 5)
+    assert reused == [0, len(base) - 1, len(base) - 1, 0, 5]
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "prefix", "static"])
+def test_the_serial_engine_reuses_a_cached_prompt_prefix_and_drafts_as_without(model, cache):
+    """The one-at-a-time engine (``decode serve --max-batch 1``) takes a prompt's cached positions into each kind of
+    KV cache and the head's prompt features from the prefix cache: outputs equal plain greedy and the rounds are
+    those of an engine without it."""
+    from decode.choose.policies.simple import Fixed
+    from decode.core.prefix_cache import PrefixCache
+    from decode.core.target import Target
+    from decode.engine.loop import SpecEngine
+
+    head = _module(model, "eagle1")
+    engines = []
+    for _ in range(2):
+        arm = _neural(model, head, GREEDY)
+        arm.target = target = Target(model, TinyTokenizer(64), want_hidden=True, cache=cache)
+        engines.append(SpecEngine(target, [arm], Verifier(GREEDY, "torch"), set(), step_time=1.0))
+    plain, cached = engines
+    cached.target.prefix_cache = PrefixCache(2 ** 24)
+    base = PROMPTS[4]
+    for p, reused in ((base, 0), (base, len(base) - 1), (base + [3, 3, 8], len(base) - 1), (PROMPTS[1], 0),
+                      (base[:4] + [9, 9], 4)):
+        want, got = (e.generate(p, Fixed(1, e.max_len), 12) for e in engines)
+        assert got.tokens == want.tokens == plain_greedy(model, p, 12), p
+        assert cached.target.prefix_reused == reused
+        assert [(r.drafted, r.accepted) for r in got.rounds] == [(r.drafted, r.accepted) for r in want.rounds], p

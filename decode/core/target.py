@@ -61,6 +61,7 @@ from transformers.cache_utils import StaticLayer
 from . import ragged
 from .draft import Draft
 from .hidden import HiddenStates, LayerSelector, check_hidden_layers, find_run, layer_runs
+from .prefix_cache import PrefixCache
 from ..common.errors import UserError
 from .tree import tree_attention
 from .compiled import CompiledForward
@@ -278,6 +279,31 @@ class KVCache:
     def advance(self, n: int) -> None:
         self.length += n
 
+    def load(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Fill an empty sequence's first n slots with per-layer ``[kv heads, n, dim]`` keys and values (a prompt's
+        cached prefix: decode/core/prefix_cache.py), copied; the pointer moves to n."""
+        if self.length:
+            raise ValueError(f"load fills an empty sequence; this one holds {self.length} tokens")
+        n = keys[0].shape[-2]
+        self.reserve(n)
+        if self.kind == "dynamic":
+            for i, (k, v) in enumerate(zip(keys, values)):
+                self.hf.update(k[None].clone(), v[None].clone(), i)
+        else:
+            for layer, k, v in zip(self.hf.layers, keys, values):
+                layer.keys[0, :, :n].copy_(k)
+                layer.values[0, :, :n].copy_(v)
+        self.length = n
+        if self.kind in PREALLOCATED:
+            self._sync()
+
+    def export(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of the first ``n`` cached tokens' keys and values, per layer ``[kv heads, n, dim]``."""
+        if n > self.length:
+            raise ValueError(f"cannot export {n} tokens of a cache holding {self.length}")
+        layers = self.hf.layers
+        return [x.keys[0, :, :n].clone() for x in layers], [x.values[0, :, :n].clone() for x in layers]
+
     def crop(self, keep: int) -> None:
         """Keep the first ``keep`` cached tokens."""
         if not 0 <= keep <= self.length:
@@ -350,6 +376,10 @@ class Target:
         self.attention_probe: dict | None = None  # decode/core/attention.py probe_attention's (build_engine)
         self.forwards = 0
         self.prefill_hidden: HiddenStates | None = None
+        # prompts' KV kept across sequences (decode/core/prefix_cache.py; None: every prompt prefilled whole), and
+        # how many of the last prompt's positions came from it
+        self.prefix_cache: PrefixCache | None = None
+        self.prefix_reused = 0
         # layers of HiddenStates.extra besides the final state, in column order (d columns each); arms add
         # theirs with request_hidden
         self.extra_layers: tuple[int, ...] = ()
@@ -438,9 +468,25 @@ class Target:
         self.kv.start(capacity, minimum=len(prompt_ids))
         self.forwards = 0
         self.prefill_hidden = None  # HiddenStates at the len(prompt)-1 cached positions when want_hidden
+        self.prefix_reused = 0
         if len(prompt_ids) > 1:
-            out = self._forward(prompt_ids[:-1], hidden=self.want_hidden, last_logits=True)
-            self.prefill_hidden = self._hidden(out)
+            ids = list(prompt_ids[:-1])
+            need = ("hidden", self.extra_layers)  # what the arms read at the prompt's positions
+            hit = (self.prefix_cache.longest(ids, [need] if self.want_hidden else [])
+                   if self.prefix_cache is not None else None)
+            if hit is not None:
+                self.kv.load(hit.keys, hit.values)
+                self.prefix_reused = len(hit.tokens)
+                self.prefill_hidden = hit.states.get(need) if self.want_hidden else None
+            if self.prefix_reused < len(ids):
+                out = self._forward(ids[self.prefix_reused:], hidden=self.want_hidden, last_logits=True)
+                new = self._hidden(out)
+                self.prefill_hidden = new if hit is None or new is None else HiddenStates(
+                    torch.cat([self.prefill_hidden.final, new.final]),
+                    None if new.extra is None else torch.cat([self.prefill_hidden.extra, new.extra]))
+                if self.prefix_cache is not None:
+                    keys, values = self.kv.export(len(ids))
+                    self.prefix_cache.put(ids, keys, values, {need: self.prefill_hidden} if self.want_hidden else {})
 
     def score(self, last_token: int, draft_tokens: torch.Tensor) -> ScoreResult:
         """Verification forward over ``[last_token] + draft`` (one target forward pass)."""

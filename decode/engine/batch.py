@@ -101,6 +101,7 @@ from ..core.cost import CostCurve
 from ..core.draft import Draft, Outcome, RoundRecord
 from ..core.tree import ancestor_matrix, draft_depth
 from ..core.linear import PackedLinear, pack_arm_linears
+from ..core.prefix_cache import PrefixCache
 from ..core.row_cache import RowCache
 from ..core.target import crop_cache
 from ..core.verify import Verifier, greedy_next
@@ -492,6 +493,10 @@ class BatchEngine:
         self.eos = {int(e) for e in eos_token_ids}
         self.pad_id = int(pad_id)
         self.cache = RowCache(model.config)
+        # prompts' KV kept across rows (decode/core/prefix_cache.py; None: every prompt prefilled whole), and how
+        # many positions of the last joining prompt came from it
+        self.prefix_cache: PrefixCache | None = None
+        self.prefix_reused = 0
         self.rows: list[Row] = []
         self.drafters: dict[object, BatchDrafter] = {}  # an arm's batch_key -> its module's drafting for every row
         self.history: list[BatchRound] = []
@@ -541,22 +546,42 @@ class BatchEngine:
                 else:
                     part.reset(row.prompt)
         n = len(prompt_ids) - 1  # the cache holds every token but the last (fed by the first round)
-        cache = hidden = None
-        if n:
-            cache = DynamicCache()
-            ids = torch.tensor([prompt_ids[:-1]], dtype=torch.long, device=self.device)
-            with torch.inference_mode():
-                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                                 output_hidden_states=_needs_hidden(row))
-            hidden = out.hidden_states
         uses = set(map(id, row.drafters.values()))
-        for d in self.drafters.values():  # every drafter keeps a row for every row, in order
+        wanted = [key for key, d in self.drafters.items() if id(d) in uses and d.needs_hidden]
+        cache, feats = self._prefill(prompt_ids[:n], wanted) if n else (None, {})
+        for key, d in self.drafters.items():  # every drafter keeps a row for every row, in order
             mine = id(d) in uses
-            feats = d.features(hidden)[0] if mine and d.needs_hidden and hidden is not None else None
-            d.add_row(row.prompt if mine else None, feats)
+            d.add_row(row.prompt if mine else None, feats.get(key) if mine else None)
         self.cache.add(cache, n)
         self.rows.append(row)
         return row.rid
+
+    def _prefill(self, ids: list[int], wanted: list) -> tuple[DynamicCache, dict]:
+        """A joining row's prompt positions ``ids`` run alone through the target: (their one-row cache, the
+        features of each drafter key in ``wanted`` at them). With a :attr:`prefix_cache`, the longest cached prefix
+        holding those features is taken from it and only the rest runs; what ran is kept in it."""
+        store, need = self.prefix_cache, [("features", key) for key in wanted]
+        hit = store.longest(ids, need) if store is not None else None
+        m = len(hit.tokens) if hit is not None else 0
+        self.prefix_reused = m
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(zip(hit.keys, hit.values) if hit is not None else ()):
+            cache.update(k[None], v[None], i)  # not written to: the rest's forward concatenates new tensors
+        feats = {key: hit.states[f] for key, f in zip(wanted, need)} if hit is not None else {}
+        if m < len(ids):
+            x = torch.tensor([ids[m:]], dtype=torch.long, device=self.device)
+            pos = torch.arange(m, len(ids), device=self.device)[None]
+            with torch.inference_mode():
+                out = self.model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True,
+                                 logits_to_keep=1, output_hidden_states=bool(wanted))
+            for key in wanted:
+                new = self.drafters[key].features(out.hidden_states)[0]
+                feats[key] = torch.cat([feats[key], new]) if m else new
+            if store is not None:
+                layers = cache.layers
+                store.put(ids, [x.keys[0] for x in layers], [x.values[0] for x in layers],
+                          {f: feats[key] for key, f in zip(wanted, need)})
+        return cache, feats
 
     def _drafter(self, arm) -> BatchDrafter:
         """The batch drafter of ``arm``'s module (made on first use, with an empty row for each row already here).

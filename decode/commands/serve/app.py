@@ -303,4 +303,5 @@ def _too_large(what: str, limit: int) -> APIError:
 
 def _usage(res: Result) -> dict:
     return {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
-            "total_tokens": res.prompt_tokens + res.completion_tokens}
+            "total_tokens": res.prompt_tokens + res.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": res.cached_tokens}}

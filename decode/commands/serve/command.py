@@ -29,6 +29,7 @@ from ...core.models import DEFAULT_TARGET, cache_dir
 from ...choose.policies import build_policy
 from ...choose.policies.simple import Fixed
 from ...choose.length import build_length
+from ...core.prefix_cache import PrefixCache
 from ...engine.pools import REPO_ROOT, Pool, collect_arms, load_pool
 from ...core.sampling import SamplingConfig
 from ...common.specs import split_specs
@@ -70,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft-length controller of rounds decoded one request at a time (--max-batch 1), as in "
                         "`decode generate`: fixed, beta-ts, cali-ts, cost (default: the pool's `length`, else fixed; "
                         "batched rounds take --batch-length)")
+    p.add_argument("--prefix-cache-mib", type=int, default=512,
+                   help="memory for prompts' KV kept across requests, so a prompt that starts like one seen before "
+                        "(a chat's history, a shared system prompt, a retry) prefills only what is new; least "
+                        "recently used evicted; 0 = off (default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from a request's arrival to its last token, queueing included (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64,
@@ -111,7 +116,7 @@ def check_args(args) -> None:
     """Everything that needs no model."""
     for flag, v, lo in (("--port", args.port, 0), ("--max-queue", args.max_queue, 1), ("--threads", args.threads, 1),
                         ("--max-model-len", args.max_model_len, 2), ("--seed", args.seed, 0),
-                        ("--max-body-bytes", args.max_body_bytes, 1)):
+                        ("--max-body-bytes", args.max_body_bytes, 1), ("--prefix-cache-mib", args.prefix_cache_mib, 0)):
         if v is not None and v < lo:
             raise UserError(f"{flag} must be an integer >= {lo}, got {v}")
     if args.port > 65535:
@@ -211,16 +216,20 @@ def build_server(args, err=sys.stderr):
     name = args.served_model_name or args.target
     common = dict(metrics=ServerMetrics(), max_queue=args.max_queue, state_file=state, target=args.target,
                   seed=args.seed)
+    store = PrefixCache(args.prefix_cache_mib * 2 ** 20) if args.prefix_cache_mib else None  # after the warm-ups
     if batch_size > 1:
         batch, make_arms = batch_engine(args, specs, model, tok, engine)
+        batch.prefix_cache = store
         worker = BatchWorker(engine, batch, make_arms, tok, gen, args.policy, max_batch=batch_size, **common)
     else:
+        engine.target.prefix_cache = store
         worker = Worker(engine, tok, gen, args.policy, length=length, **common)
     cfg = ServeConfig(model_name=name, context=context, request_timeout=args.request_timeout,
                       max_body_bytes=args.max_body_bytes)
     notes = [f"arms: {', '.join(labels)}", f"policy: {args.policy}", batch_note]
     if batch_size == 1:
         notes.append(f"draft lengths: {length}")
+    notes.append(f"prefix cache: {args.prefix_cache_mib} MiB" if store is not None else "prefix cache: off")
     if not worker.policy.carry:
         notes.append("the policy learns per request only (add carry=true to learn across requests)")
     elif state is not None:

@@ -33,6 +33,8 @@ class ServerMetrics:
         self.prefill_seconds = Counter(f"{PREFIX}_prefill_seconds", "seconds spent starting requests: their prompts' "
                                        "prefill (alone, while a batch's other rows wait) and the arms' set-up",
                                        registry=r)
+        self.prefix_cached_tokens = Counter(f"{PREFIX}_prefix_cached_tokens", "prompt tokens whose prefill the "
+                                            "prefix cache held (--prefix-cache-mib)", registry=r)
         self.mat = Gauge(f"{PREFIX}_mean_accepted_tokens", "MAT: tokens per target forward over the server's life",
                          registry=r)
         self.drafted = Counter(f"{PREFIX}_drafted_at_position", "rounds whose draft reached position i",
@@ -86,6 +88,11 @@ class ServerMetrics:
         busy = sum(s for _, _, s in self._recent)
         if busy > 0:
             self.goodput.set(sum(n for _, n, _ in self._recent) / busy)
+
+    def prefill(self, seconds: float, cached_tokens: int) -> None:
+        """A request started: ``seconds`` on its prefill and set-up, ``cached_tokens`` of its prompt reused."""
+        self.prefill_seconds.inc(seconds)
+        self.prefix_cached_tokens.inc(cached_tokens)
 
     def generation(self, prompt_tokens: int, tokens: int, forwards: int, seconds: float) -> None:
         """One request's decoding finished (or stopped early)."""

@@ -62,6 +62,7 @@ class Result:
     token_ids: list[int]
     prompt_tokens: int
     info: dict  # the response's ``adaspec`` field
+    cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache held (usage.prompt_tokens_details)
 
     @property
     def completion_tokens(self) -> int:
@@ -400,7 +401,7 @@ class Worker:
         length = self.length if job.arms is None else build_length(self.length_spec, self.policy_seed)
         t = time.perf_counter()
         state = engine.begin(job.prompt_ids, policy, job.max_tokens, length)
-        self.metrics.prefill_seconds.inc(time.perf_counter() - t)
+        self.metrics.prefill(time.perf_counter() - t, engine.target.prefix_reused)
         reply = Reply(job, self._decode_text)
         outcome = None
         while not state.done:
@@ -415,14 +416,15 @@ class Worker:
                 break
         g = engine.finish(state)
         self._conclude(reply, list(g.tokens), outcome, g.stopped_by, g.rounds, labels, spec,
-                       seconds=decoding_seconds(g), start=start, learnt=job.arms is None and policy.carry)
+                       seconds=decoding_seconds(g), start=start, learnt=job.arms is None and policy.carry,
+                       cached=engine.target.prefix_reused)
 
     def _seed(self, job: Job) -> int:
         return job.seed if job.seed is not None else self._rng.getrandbits(63)
 
     def _conclude(self, reply: Reply, tokens: list[int], outcome: str | None, stopped_by: str, rounds: list,
                   labels: list[str], spec: str, *, seconds: float, start: float, learnt: bool,
-                  extra: dict | None = None) -> None:
+                  cached: int = 0, extra: dict | None = None) -> None:
         """A job's decoding ended (``outcome`` None: by itself or a stop sequence; "cancelled"; "timeout"): count
         it, save what the carried policy learnt, and answer its client."""
         job = reply.job
@@ -458,7 +460,7 @@ class Worker:
         if job.return_token_ids:
             info["token_ids"] = tokens
         self.metrics.requests.labels(job.endpoint, "ok").inc()
-        job.emit("done", Result(reason, reply.sent, tokens, len(job.prompt_ids), info))
+        job.emit("done", Result(reason, reply.sent, tokens, len(job.prompt_ids), info, cached))
 
     def _tokens_through(self, tokens: list[int], chars: int) -> list[int]:
         """The shortest prefix of ``tokens`` whose text reaches ``chars`` characters (a longer prefix's text
@@ -485,6 +487,7 @@ class Flight:
     learns: bool  # its rounds teach the server's carried policy
     start: float  # time.monotonic() when it joined the batch
     rows_seen: int = 0  # Σ over its rounds of the batch's rows (its mean batch size = rows_seen / rounds)
+    cached: int = 0  # prompt tokens its join took from the prefix cache
 
 
 class BatchWorker(Worker):
@@ -576,12 +579,13 @@ class BatchWorker(Worker):
             verifier = Verifier(job.sampling, self.engine.verifier.backend, gen)
             t = time.perf_counter()
             rid = self.batch.add(job.prompt_ids, job.max_tokens, arms=arms, policy=policy, verifier=verifier)
-            self.metrics.prefill_seconds.inc(time.perf_counter() - t)
+            self.metrics.prefill(time.perf_counter() - t, self.batch.prefix_reused)
         except Exception as exc:
             self._answer_failure(job, exc)
             return
         row = self.batch.rows[-1]
-        self.flights[rid] = Flight(job, row, Reply(job, self._decode_text), labels, spec, learns, time.monotonic())
+        self.flights[rid] = Flight(job, row, Reply(job, self._decode_text), labels, spec, learns, time.monotonic(),
+                                   cached=self.batch.prefix_reused)
         self._set_active()
 
     def _land(self, rid: int, outcome: str | None) -> None:
@@ -591,7 +595,7 @@ class BatchWorker(Worker):
         r = f.row
         rounds = len(r.rounds)
         self._conclude(f.reply, list(r.tokens), outcome, r.stopped_by, r.rounds, f.labels, f.spec,
-                       seconds=r.finished - r.joined, start=f.start, learnt=f.learns,
+                       seconds=r.finished - r.joined, start=f.start, learnt=f.learns, cached=f.cached,
                        extra={"batch_size_mean": round(f.rows_seen / rounds, 3) if rounds else 0.0})
 
 
