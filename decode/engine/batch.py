@@ -579,7 +579,7 @@ class BatchEngine:
                 feats[key] = torch.cat([feats[key], new]) if m else new
             if store is not None:
                 layers = cache.layers
-                store.put(ids, [x.keys[0] for x in layers], [x.values[0] for x in layers],
+                store.put(ids, [layer.keys[0] for layer in layers], [layer.values[0] for layer in layers],
                           {f: feats[key] for key, f in zip(wanted, need)})
         return cache, feats
 
