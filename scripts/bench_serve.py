@@ -42,16 +42,21 @@ from decode.evaluation.suites import encode_prompt, load_jsonl_suite  # noqa: E4
 DEV = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / "question_dev.jsonl"
 
 
-def metric(url: str, name: str) -> float:
-    m = re.search(r"^%s ([0-9.e+-]+)$" % re.escape(name), httpx.get(url + "/metrics", timeout=10).text, re.M)
-    return float(m.group(1)) if m else 0.0
+def metrics(url: str, *names: str) -> dict[str, float]:
+    """The values of ``names`` in one read of the server's /metrics (0 where absent)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = {n: re.search(r"^%s ([0-9.e+-]+)$" % re.escape(n), text, re.M) for n in names}
+    return {n: float(m.group(1)) if m else 0.0 for n, m in found.items()}
+
+
+COUNTERS = {"rounds": "adaspec_batch_rounds_total", "rows": "adaspec_batch_rows_total",
+            "prefill": "adaspec_prefill_seconds_total"}
 
 
 def load(s, prompts, requests: int, clients: int, max_tokens: int) -> dict:
     """``requests`` greedy chat requests (prompts in turn) from ``clients`` concurrent clients."""
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=1200)
-    rounds0, rows0 = metric(s.url, "adaspec_batch_rounds_total"), metric(s.url, "adaspec_batch_rows_total")
-    prefill0 = metric(s.url, "adaspec_prefill_seconds_total")
+    before = metrics(s.url, *COUNTERS.values())
 
     def one(i):
         q = prompts[i % len(prompts)]
@@ -68,11 +73,10 @@ def load(s, prompts, requests: int, clients: int, max_tokens: int) -> dict:
     with ThreadPoolExecutor(clients) as pool:
         out = list(pool.map(one, range(requests)))
     wall = time.perf_counter() - t0
+    after = metrics(s.url, *COUNTERS.values())
     return summarise({"wall": wall, "latencies": sorted(o[0] for o in out),
                       "completion_tokens": sum(len(o[1]) for o in out),
-                      "rounds": metric(s.url, "adaspec_batch_rounds_total") - rounds0,
-                      "rows": metric(s.url, "adaspec_batch_rows_total") - rows0,
-                      "prefill": metric(s.url, "adaspec_prefill_seconds_total") - prefill0,
+                      **{k: after[n] - before[n] for k, n in COUNTERS.items()},
                       "errors": sum(o[2] is not None for o in out), "tokens": {i: o[1] for i, o in enumerate(out)}})
 
 

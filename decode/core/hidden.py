@@ -75,6 +75,11 @@ class HiddenStates:
     def __len__(self) -> int:
         return self.final.shape[0]
 
+    def cat(self, more: "HiddenStates") -> "HiddenStates":
+        """These positions followed by ``more``'s (the same layers)."""
+        return HiddenStates(torch.cat([self.final, more.final]),
+                            None if self.extra is None else torch.cat([self.extra, more.extra]))
+
     def rows(self, index) -> "HiddenStates":
         """The states at the positions ``index`` selects (a slice or a list of row numbers)."""
         return HiddenStates(self.final[index], None if self.extra is None else self.extra[index])

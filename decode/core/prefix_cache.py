@@ -40,13 +40,10 @@ class CachedPrefix:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     states: dict[Hashable, object] = field(default_factory=dict)
+    ids: torch.Tensor = field(init=False, repr=False)  # the tokens as a tensor (compared against a prompt at once)
 
-    @property
-    def ids(self) -> torch.Tensor:
-        """The tokens as a tensor (compared against a prompt at once)."""
-        if getattr(self, "_ids", None) is None:
-            self._ids = torch.tensor(self.tokens, dtype=torch.long)
-        return self._ids
+    def __post_init__(self):
+        self.ids = torch.tensor(self.tokens, dtype=torch.long)
 
     def head(self, n: int) -> "CachedPrefix":
         """The first ``n`` positions (views of this entry's tensors; a state is cut by its ``rows`` or by slicing)."""

@@ -481,9 +481,7 @@ class Target:
             if self.prefix_reused < len(ids):
                 out = self._forward(ids[self.prefix_reused:], hidden=self.want_hidden, last_logits=True)
                 new = self._hidden(out)
-                self.prefill_hidden = new if hit is None or new is None else HiddenStates(
-                    torch.cat([self.prefill_hidden.final, new.final]),
-                    None if new.extra is None else torch.cat([self.prefill_hidden.extra, new.extra]))
+                self.prefill_hidden = new if hit is None or new is None else self.prefill_hidden.cat(new)
                 if self.prefix_cache is not None:
                     keys, values = self.kv.export(len(ids))
                     self.prefix_cache.put(ids, keys, values, {need: self.prefill_hidden} if self.want_hidden else {})
