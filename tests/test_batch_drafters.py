@@ -456,37 +456,61 @@ def test_cost_lengths_count_the_modules_own_forwards(model, monkeypatch, module_
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 def test_a_prefix_cache_prefills_only_what_is_new_and_the_head_drafts_as_without(model, kind):
-    """Batched rows whose prompts repeat or extend an earlier one take those positions' keys, values and head
-    features from the prefix cache (decode/core/prefix_cache.py): every row equals plain greedy and drafts exactly
-    what an engine without the cache drafts, so the head read the same features."""
+    """Batched rows whose prompts repeat or extend an earlier request's prompt *and answer* take those positions'
+    keys, values and head features from the prefix cache (decode/core/prefix_cache.py; a finished row is kept whole):
+    every row equals plain greedy and drafts exactly what an engine without the cache drafts, so the head read the
+    same features."""
     from decode.core.prefix_cache import PrefixCache
 
     module = _module(model, kind)
     plain, cached = (_engine(model, module, policy="fixed:arm=0") for _ in range(2))
     cached.prefix_cache = PrefixCache(2 ** 24)
     base = PROMPTS[0]
-    reused = []
-    for p in (base, base, base + [7, 9, 11, 7], PROMPTS[3], base[:6]):  # one at a time, as requests join
+    answer = plain_greedy(model, base, 12)
+    other = (answer[0] + 1) % 64  # a continuation of the prompt that is not its answer
+    cases = [(base, 0), (base, len(base) - 1),  # a repeat: the first request's prompt and answer are kept
+             (base + [other, 9, 11, 7], len(base)),  # an extension: the whole prompt, not the answer
+             (base + answer + [5, 6], len(base) + len(answer) - 1),  # a chat's next turn: the prompt and answer
+             (PROMPTS[3], 0), (base[:6], 5)]  # another prompt; one sharing the first 5 of its 5 positions
+    for p, reused in cases:  # one at a time, as requests join
         want, got = plain.generate([p], 12)[0], cached.generate([p], 12)[0]
-        reused.append(cached.prefix_reused)
+        assert cached.prefix_reused == reused, p
         assert got.tokens == want.tokens == plain_greedy(model, p, 12), p
         assert [(r.drafted, r.accepted) for r in got.rounds] == [(r.drafted, r.accepted) for r in want.rounds], p
         assert sum(r.drafted for r in got.rounds) > 0
-    # a repeat, an extension, another prompt, and one that shares only the first 5 of its positions (of 5)
-    assert reused == [0, len(base) - 1, len(base) - 1, 0, 5]
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "prefix", "static"])
-def test_the_serial_engine_reuses_a_cached_prompt_prefix_and_drafts_as_without(model, cache):
+def test_a_row_that_ends_early_is_kept_only_when_it_ended_not_when_cancelled(model):
+    """A row the server removes at a stop string (``remove(rid, remember=True)``) is kept in the prefix cache with
+    what it generated so far; a cancelled one (``remove(rid)``) is not. The next turn is still plain greedy."""
+    from decode.core.prefix_cache import PrefixCache
+
+    eng = _engine(model, _module(model, "eagle3"), policy="fixed:arm=0")
+    eng.prefix_cache = PrefixCache(2 ** 24)
+    ended = []
+    for p, remember in ((PROMPTS[1], True), (PROMPTS[2], False)):
+        rid = eng.add(p, 12)
+        eng.step()
+        eng.step()
+        ended.append(eng.remove(rid, remember=remember).ctx)
+    for ctx, reused in ((ended[0], len(ended[0]) - 1), (ended[1], len(PROMPTS[2]) - 1)):  # the prompt's entry only
+        nxt = ctx + [5, 6]
+        got = eng.generate([nxt], 8)[0]
+        assert eng.prefix_reused == reused
+        assert got.tokens == plain_greedy(model, nxt, 8)
+
+
+@pytest.mark.parametrize("cache,kind", [("dynamic", "eagle1"), ("prefix", "eagle3"), ("static", "eagle3")])
+def test_the_serial_engine_reuses_a_cached_prompt_prefix_and_drafts_as_without(model, cache, kind):
     """The one-at-a-time engine (``decode serve --max-batch 1``) takes a prompt's cached positions into each kind of
-    KV cache and the head's prompt features from the prefix cache: outputs equal plain greedy and the rounds are
-    those of an engine without it."""
+    KV cache and the head's features from the prefix cache, a finished request's answer too: outputs equal plain
+    greedy and the rounds are those of an engine without it."""
     from decode.choose.policies.simple import Fixed
     from decode.core.prefix_cache import PrefixCache
     from decode.core.target import Target
     from decode.engine.loop import SpecEngine
 
-    head = _module(model, "eagle1")
+    head = _module(model, kind)
     engines = []
     for _ in range(2):
         arm = _neural(model, head, GREEDY)
@@ -495,9 +519,14 @@ def test_the_serial_engine_reuses_a_cached_prompt_prefix_and_drafts_as_without(m
     plain, cached = engines
     cached.target.prefix_cache = PrefixCache(2 ** 24)
     base = PROMPTS[4]
-    for p, reused in ((base, 0), (base, len(base) - 1), (base + [3, 3, 8], len(base) - 1), (PROMPTS[1], 0),
-                      (base[:4] + [9, 9], 4)):
+    answer = plain_greedy(model, base, 12)
+    other = (answer[0] + 1) % 64  # a continuation of the prompt that is not its answer
+    for p, reused in ((base, 0), (base, len(base) - 1), (base + [other, 3, 8], len(base)),
+                      (base + answer + [5, 6], len(base) + len(answer) - 1),  # the next turn: prompt and answer
+                      (PROMPTS[1], 0), (base[:4] + [9, 9], 4)):
         want, got = (e.generate(p, Fixed(1, e.max_len), 12) for e in engines)
         assert got.tokens == want.tokens == plain_greedy(model, p, 12), p
         assert cached.target.prefix_reused == reused
         assert [(r.drafted, r.accepted) for r in got.rounds] == [(r.drafted, r.accepted) for r in want.rounds], p
+        # the head read the features a prefill of the whole prompt gives (float64: summation order only)
+        assert torch.allclose(cached.arms[0].feats, plain.arms[0].feats, rtol=0, atol=1e-9), p

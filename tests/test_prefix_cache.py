@@ -1,6 +1,7 @@
 """The prefix cache (decode/core/prefix_cache.py): which entry a prompt takes (the longest run of its first tokens an
 entry holding the states it needs starts with), least-recently-used eviction within the byte budget, states merged
-into an entry; and `decode serve` reporting the prompt tokens it reused (OpenAI's usage.prompt_tokens_details)."""
+into an entry, an entry a longer one starts with dropped; and `decode serve` reporting the prompt tokens it reused
+(OpenAI's usage.prompt_tokens_details), a finished request's answer included."""
 import pytest
 import torch
 
@@ -30,6 +31,27 @@ def test_a_prompt_takes_the_longest_run_of_its_first_tokens_an_entry_starts_with
     assert c.longest([1, 2, 3, 7], needs=["g"]).tokens == (1, 2, 3) and len(c) == 2
     with pytest.raises(ValueError, match="3 positions"):
         c.put([1, 2, 3], kv(2), kv(2))
+
+
+def test_an_entry_a_longer_one_starts_with_is_dropped_unless_it_holds_a_state_the_longer_lacks():
+    c = PrefixCache(2 ** 20)
+    c.put([1, 2, 3], kv(3), kv(3), {"h": torch.zeros(3, 2)})
+    c.put([5, 6], kv(2), kv(2))
+    size = c.nbytes
+    c.put([1, 2, 3, 4, 5], kv(5), kv(5), {"h": torch.ones(5, 2)})  # a finished answer: its prompt's entry goes
+    assert len(c) == 2 and c.longest([1, 2, 3, 9]).tokens == (1, 2, 3)
+    assert c.longest([1, 2, 3, 9], needs=["h"]).states["h"].eq(1).all()  # the longer entry's first rows
+    assert c.nbytes == size - entry_bytes(3, {"h": torch.zeros(3, 2)}) + entry_bytes(5, {"h": torch.ones(5, 2)})
+    c.put([5, 6, 7], kv(3), kv(3), {"g": torch.zeros(3, 1)})  # holds every state of [5, 6] (none): it goes
+    c.put([1, 2, 3, 4, 5, 6], kv(6), kv(6))  # lacks "h": the entry holding it stays
+    assert len(c) == 3 and c.longest([1, 2, 3, 4, 5, 6, 7], needs=["h"]).tokens == (1, 2, 3, 4, 5)
+    assert c.longest([1, 2, 3, 4, 5, 6, 7]).tokens == (1, 2, 3, 4, 5, 6)
+
+
+def entry_bytes(n: int, states: dict) -> int:
+    one = PrefixCache(2 ** 20)
+    one.put(list(range(1, n + 1)), kv(n), kv(n), states)
+    return one.nbytes
 
 
 def test_least_recently_used_entries_leave_first_and_the_budget_holds():
@@ -68,6 +90,14 @@ def test_the_server_reports_the_prompt_tokens_it_reused(tiny_target_dir):
                              {"role": "user", "content": "Again."}]
             r = c.chat.completions.create(model=s.model, messages=longer, max_tokens=8, temperature=0)
             assert 0 < r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens - 1
+            # a finished request is kept with its answer: a prompt re-sending both (as token ids, so no
+            # re-tokenisation of the answer's text intervenes) prefills only what follows them
+            ids = list(range(3, 40))
+            first = c.completions.create(model=s.model, prompt=ids, max_tokens=8, temperature=0,
+                                         extra_body={"adaspec": {"return_token_ids": True}})
+            answer = first.model_extra["adaspec"]["token_ids"]
+            nxt = c.completions.create(model=s.model, prompt=ids + answer + [7, 8, 9], max_tokens=4, temperature=0)
+            assert nxt.usage.prompt_tokens_details.cached_tokens == len(ids) + len(answer) - 1
     with RunningServer(["--target", tiny_target_dir, "--arms", SERVE_ARMS, "--state-file", "none",
                         "--max-batch", "1", "--threads", "1", "--prefix-cache-mib", "0"]) as s:
         assert "prefix cache: off" in s.log.getvalue()

@@ -77,8 +77,13 @@ class HiddenStates:
 
     def cat(self, more: "HiddenStates") -> "HiddenStates":
         """These positions followed by ``more``'s (the same layers)."""
-        return HiddenStates(torch.cat([self.final, more.final]),
-                            None if self.extra is None else torch.cat([self.extra, more.extra]))
+        return HiddenStates.concat([self, more])
+
+    @staticmethod
+    def concat(parts: list["HiddenStates"]) -> "HiddenStates":
+        """The positions of ``parts`` (the same layers), in order."""
+        return HiddenStates(torch.cat([p.final for p in parts]),
+                            None if parts[0].extra is None else torch.cat([p.extra for p in parts]))
 
     def rows(self, index) -> "HiddenStates":
         """The states at the positions ``index`` selects (a slice or a list of row numbers)."""

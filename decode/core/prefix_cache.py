@@ -1,4 +1,5 @@
-"""Prompts' KV kept across requests, so a prompt that starts with one seen before prefills only what is new.
+"""Prompts' and answers' KV kept across requests, so a prompt that starts with one seen before prefills only what
+is new.
 
 What vLLM's automatic prefix caching and SGLang's RadixAttention do for a server: a multi-turn chat re-sends its
 whole history every turn, clients share system prompts, and a retried request repeats its prompt. On a CPU the
@@ -6,14 +7,17 @@ prefill is compute-bound (the default target on 2 cores: ~1.5 ms a prompt token,
 runs alone, while a batch's other rows wait: in a served load of 8 clients over Spec-Bench dev it was over a
 quarter of the batched server's wall time (docs/serving.md).
 
-An entry holds the cached positions of one prompt (every token but the last, as the engines cache them), each
-layer's keys and values ``[kv heads, n, dim]``, and what the engine reads beside them at those positions (the
-target's hidden states for arms that draft from them, a batch drafter's features), keyed by what they are. A new
+An entry holds the cached positions of one prompt, or of one finished sequence (prompt and answer: a chat's next
+turn re-sends both), every token but the last, as the engines cache them: each layer's keys and values
+``[kv heads, n, dim]``, and what the engine reads beside them at those positions (the target's hidden states for
+arms that draft from them, a batch drafter's features), keyed by what they are. A finished sequence's entry
+replaces its prompt's (``put`` drops an entry that a new one starts with). A new
 prompt takes the longest run of its first tokens that an entry (holding every state it needs) starts with, and the
 engine feeds the target the rest. Entries are evicted least recently used past ``max_bytes``. Each entry holds its
 own copy of what it shares with others (no radix tree: a few hundred prompts of a server's recent traffic).
 
-Reuse is exact for a repeated prompt (the same tensors its own prefill made). A longer prompt's new positions
+Reuse is exact for a repeated prompt (the same tensors its own prefill made). An answer's positions were cached by
+the rounds that verified them (blocks of a few positions, not one prefill); a longer prompt's new positions
 attend over the stored keys and values as a round attends over the cache: the same arithmetic, another matrix
 shape than one prefill over the whole prompt (float summation order, as between any two batch sizes), which greedy
 decoding absorbs except at a near-tie of the target itself; the tests check equality with plain ``generate``.
@@ -103,8 +107,10 @@ class PrefixCache:
     def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor],
             states: dict[Hashable, object] | None = None) -> bool:
         """Keep ``tokens``' keys and values (per layer ``[kv heads, n, dim]``, not copied: pass tensors nothing
-        writes to again) and states; an entry for the same tokens takes the new states beside its own. Returns
-        whether it is kept (an entry larger than the whole cache is not)."""
+        writes to again) and states; an entry for the same tokens takes the new states beside its own. An entry
+        whose tokens begin the new one's and whose states it holds too is dropped: the new entry's first positions
+        serve every lookup it served (a finished answer's entry replaces its prompt's). Returns whether it is kept
+        (an entry larger than the whole cache is not)."""
         tokens = tuple(int(t) for t in tokens)
         if not tokens or any(k.shape[-2] != len(tokens) for k in (*keys, *values)):
             raise ValueError(f"keys and values must hold the {len(tokens)} positions of the tokens")
@@ -114,6 +120,10 @@ class PrefixCache:
         entry = CachedPrefix(tokens, list(keys), list(values), {**(old.states if old else {}), **(states or {})})
         if entry.nbytes > self.max_bytes:
             return False
+        for key, held in list(self._entries.items()):
+            if len(key) < len(tokens) and tokens[:len(key)] == key and held.states.keys() <= entry.states.keys():
+                del self._entries[key]
+                self.nbytes -= held.nbytes
         while self._entries and self.nbytes + entry.nbytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self.nbytes -= evicted.nbytes

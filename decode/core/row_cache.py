@@ -184,6 +184,17 @@ class RowCache:
         self.reserve(block_valid.shape[1], dtype, device)
         return mask
 
+    def export(self, row: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of ``row``'s first ``n`` valid slots' keys and values (its first n logical positions), per layer
+        ``[kv heads, n, dim]``: a finished row kept in a prefix cache (decode/core/prefix_cache.py)."""
+        slots = self.valid[row].nonzero()[:, 0]
+        if n > len(slots):
+            raise ValueError(f"cannot export {n} positions of row {row}, which holds {len(slots)}")
+        slots = slots[:n]
+        layers = _layers(self.hf) if self.hf is not None else []
+        idx = slots.to(layers[0].keys.device) if layers else slots
+        return [x.keys[row][:, idx] for x in layers], [x.values[row][:, idx] for x in layers]
+
     def commit(self, keep_block: torch.Tensor) -> None:
         """After a forward of W block slots: row b keeps the block slots ``keep_block[b]`` ([B, W] bool)."""
         self.valid = torch.cat([self.valid, keep_block], dim=1)

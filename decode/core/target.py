@@ -401,6 +401,11 @@ class Target:
         self.want_hidden = True
         return LayerSelector(layers, self.extra_layers, self.hidden_size)
 
+    @property
+    def hidden_key(self) -> tuple:
+        """What a prefix cache entry's hidden states are kept under: the layers they hold."""
+        return ("hidden", self.extra_layers)
+
     def _hidden(self, out) -> HiddenStates | None:
         return HiddenStates.from_hf(out.hidden_states, self.extra_layers) if self.want_hidden else None
 
@@ -471,7 +476,7 @@ class Target:
         self.prefix_reused = 0
         if len(prompt_ids) > 1:
             ids = list(prompt_ids[:-1])
-            need = ("hidden", self.extra_layers)  # what the arms read at the prompt's positions
+            need = self.hidden_key  # what the arms read at the prompt's positions
             hit = (self.prefix_cache.longest(ids, [need] if self.want_hidden else [])
                    if self.prefix_cache is not None else None)
             if hit is not None:
@@ -485,6 +490,20 @@ class Target:
                 if self.prefix_cache is not None:
                     keys, values = self.kv.export(len(ids))
                     self.prefix_cache.put(ids, keys, values, {need: self.prefill_hidden} if self.want_hidden else {})
+
+    def remember(self, ctx: list[int], hidden: HiddenStates | None) -> None:
+        """Keep a finished sequence in the prefix cache: its cached positions (``ctx`` but its last token, which the
+        cache does not hold) with the hidden states at them (``hidden``, when the arms read them), so a chat's next
+        turn, which re-sends this prompt and answer, prefills only its new message. No-op without a prefix cache, and
+        where the arms read hidden states that ``hidden`` does not cover (an entry without them would serve no
+        prompt of this target's: its lookups ask for them)."""
+        m = len(ctx) - 1
+        if self.prefix_cache is None or m < 1:
+            return
+        if self.want_hidden and (hidden is None or hidden.final.shape[0] != m):
+            return
+        keys, values = self.kv.export(m)
+        self.prefix_cache.put(ctx[:m], keys, values, {self.hidden_key: hidden} if self.want_hidden else {})
 
     def score(self, last_token: int, draft_tokens: torch.Tensor) -> ScoreResult:
         """Verification forward over ``[last_token] + draft`` (one target forward pass)."""

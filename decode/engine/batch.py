@@ -84,7 +84,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 from transformers import DynamicCache
@@ -273,6 +273,10 @@ class Row(TokenBudget):
     drafters: dict[tuple[int, int], BatchDrafter] = field(default_factory=dict)
     joined: float = 0.0  # perf_counter() when it joined
     finished: float = 0.0
+    # with a prefix cache: per drafter key reading the target's features, those at the row's cached positions in
+    # order (its prompt's, then each round's), so the finished row is kept whole (None for a key once a round
+    # went without them); None without a prefix cache
+    features: dict[Hashable, list[torch.Tensor] | None] | None = None
 
 
 @dataclass
@@ -553,6 +557,8 @@ class BatchEngine:
             mine = id(d) in uses
             d.add_row(row.prompt if mine else None, feats.get(key) if mine else None)
         self.cache.add(cache, n)
+        if self.prefix_cache is not None:
+            row.features = {key: [feats[key]] if n else [] for key in wanted}
         self.rows.append(row)
         return row.rid
 
@@ -604,21 +610,44 @@ class BatchEngine:
             d.select(keep)
         self.rows = [self.rows[i] for i in keep]
 
-    def remove(self, rid: int) -> Row:
-        """Drop the row ``rid`` now, between rounds (a cancelled request); its slots leave the cache."""
+    def remove(self, rid: int, remember: bool = False) -> Row:
+        """Drop the row ``rid`` now, between rounds (a cancelled request; ``remember``: one that ended, e.g. at a
+        stop sequence, kept in the prefix cache as a finished row is); its slots leave the cache."""
         at = next((i for i, r in enumerate(self.rows) if r.rid == rid), None)
         if at is None:
             raise KeyError(f"no row {rid} in the batch")
         row = self.rows[at]
+        if remember:
+            self._remember(at)
         self._select(fill_holes(len(self.rows), {at}))
         row.finished = time.perf_counter()
         return row
 
     def _drop_finished(self) -> list[Row]:
-        done = [r for r in self.rows if r.done]
+        done = [i for i, r in enumerate(self.rows) if r.done]
+        rows = [self.rows[i] for i in done]
+        for i in done:
+            self._remember(i)
         if done:
-            self._select(fill_holes(len(self.rows), {i for i, r in enumerate(self.rows) if r.done}))
-        return done
+            self._select(fill_holes(len(self.rows), set(done)))
+        return rows
+
+    def _remember(self, b: int) -> None:
+        """Keep row ``b`` in the prefix cache (if any): its cached positions (its context but the last token) with
+        the features its drafters read at them, so a chat's next turn, which re-sends this prompt and answer,
+        prefills only its new message (decode/core/prefix_cache.py)."""
+        r = self.rows[b]
+        m = len(r.ctx) - 1
+        if self.prefix_cache is None or r.features is None or m < 1:
+            return
+        keys, values = self.cache.export(b, m)
+        states = {}
+        for key, parts in r.features.items():
+            feats = torch.cat(parts) if parts else None
+            if feats is None or feats.shape[0] != m:  # a round went without them: the entry serves rows without
+                continue
+            states[("features", key)] = feats
+        self.prefix_cache.put(r.ctx[:m], keys, values, states)
 
     # ---- one round ------------------------------------------------------------------------------------------
 
@@ -749,6 +778,13 @@ class BatchEngine:
                 # (an EAGLE head: the target's features at the positions that produced the new tokens)
                 f = feats.get(id(drafter))
                 drafter.observe(b, None if f is None else f[b, kept[:len(new)]], new)
+            if r.features is not None:  # the features at the positions that produced the new tokens, kept
+                for key, parts in r.features.items():
+                    f = feats.get(id(self.drafters[key]))
+                    if parts is not None and f is not None:
+                        parts.append(f[b, kept[:len(new)]])
+                    else:
+                        r.features[key] = None
             # a row's share of the round: its part of the drafting and of the block's forward; its step the
             # batch's one-token forward per row (so a throughput reward sees what a token costs at this load)
             rec = RoundRecord(arm=i, drafted=len(d), accepted=min(outcome.accepted, len(new)), new_tokens=len(new),

@@ -69,6 +69,9 @@ class DecodeState(TokenBudget):
     # full-information feedback (decode/choose/feedback.py): rounds whose counterfactuals are not resolved yet;
     # None when the policy learns from the played arm only (nothing is scored)
     pending: list[PendingRound] | None = None
+    # the target's hidden states at the cached positions, prompt first (kept for the prefix cache, which stores the
+    # finished sequence: Target.remember); None when there is no prefix cache or the arms read none
+    hidden: list[HiddenStates] | None = None
 
 
 @dataclass
@@ -203,6 +206,8 @@ class SpecEngine:
         if policy.uses_cost:  # a round scoring n positions, in steps: c(n) at this query's context as it grows + overhead
             policy.use_cost(lambda n, ctx=state.ctx: self.cost.steps(n, len(ctx)) + self.round_overhead / self.step_time,
                             [a.L for a in self.arms])
+        if self.target.prefix_cache is not None and self.target.want_hidden:
+            state.hidden = [] if self.target.prefill_hidden is None else [self.target.prefill_hidden]
         state.setup_time = self._clock() - start
         return state
 
@@ -294,11 +299,18 @@ class SpecEngine:
         state.tokens.extend(tokens)
         if hidden is not None:
             state.length.observe_target(hidden.final[-1])
+            if state.hidden is not None:
+                state.hidden.append(hidden.rows(slice(0, len(tokens))))
         for a in self.arms:
             a.observe(state.ctx, hidden if a.uses_target_hidden else None)
 
     def finish(self, state: DecodeState) -> Generation:
-        """The query's Generation; wall_time runs from begin() to now."""
+        """The query's Generation; wall_time runs from begin() to now. With a prefix cache the finished sequence is
+        kept in it (:meth:`Target.remember`)."""
+        if self.target.prefix_cache is not None:
+            parts = state.hidden or []
+            hidden = HiddenStates.concat(parts) if parts else None
+            self.target.remember(state.ctx, hidden)
         return Generation(len(state.prompt_ids), state.tokens, state.rounds, self._clock() - state.start,
                           state.stopped_by, setup_time=state.setup_time, step_times=state.times)
 

@@ -549,7 +549,7 @@ class BatchWorker(Worker):
                 f.rows_seen += len(rows)
                 self.metrics.round(r.rounds[-1], f.labels[r.rounds[-1].arm])
                 if f.reply.push(r.last) and r.rid not in finished:  # a stop sequence: the row leaves now
-                    self.batch.remove(r.rid)
+                    self.batch.remove(r.rid, remember=True)
                     finished.add(r.rid)
                 if r.rid in finished:
                     self._land(r.rid, None)
