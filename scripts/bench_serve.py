@@ -10,6 +10,11 @@ serve`` runs), one per ``--max-batch`` value, all loaded before anything is time
   share of the wall time it spent starting requests (prefill: the same work at every batch size, so it bounds the
   ratio batching can reach; both from its /metrics), errors, and whether every request's tokens equal the first
   server's for the same prompt (greedy is lossless, whatever the batch).
+* Conversations (``--turns``): each request is instead one of the suite's multi-turn questions (MT-bench's in
+  Spec-Bench), its user turns sent in order, each with the conversation so far — the server's own answers included,
+  as a chat client re-sends them — so a server's prefix cache can take the previous turn's prompt and answer. The
+  table adds the share of prompt tokens the server found cached (``usage.prompt_tokens_details``); latency is per
+  turn.
 * Overhead (``--overhead``): on the first server, per prompt and interleaved, the engine decoding directly (what
   ``decode generate`` measures) and the same prompt through ``/v1/chat/completions``.
 
@@ -53,31 +58,41 @@ COUNTERS = {"rounds": "adaspec_batch_rounds_total", "rows": "adaspec_batch_rows_
             "prefill": "adaspec_prefill_seconds_total"}
 
 
-def load(s, prompts, requests: int, clients: int, max_tokens: int) -> dict:
-    """``requests`` greedy chat requests (prompts in turn) from ``clients`` concurrent clients."""
+def load(s, prompts, requests: int, clients: int, max_tokens: int, turns: bool = False) -> dict:
+    """``requests`` greedy chat requests (prompts in turn) from ``clients`` concurrent clients; with ``turns`` each
+    request is a prompt's conversation (its first turn and followups, each sent with the history so far)."""
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=1200)
     before = metrics(s.url, *COUNTERS.values())
 
     def one(i):
+        """(per-turn latencies, the tokens of every turn, prompt tokens, cached prompt tokens, error or None)."""
         q = prompts[i % len(prompts)]
-        t0 = time.perf_counter()
+        messages, latencies, tokens, prompt, cached = [], [], [], 0, 0
         try:
-            r = c.chat.completions.create(model=s.model, messages=[{"role": "user", "content": q.text}],
-                                          max_tokens=max_tokens, temperature=0,
-                                          extra_body={"adaspec": {"return_token_ids": True}})
-            return time.perf_counter() - t0, r.model_extra["adaspec"]["token_ids"], None
+            for text in (q.text, *q.followups) if turns else (q.text,):
+                messages.append({"role": "user", "content": text})
+                t0 = time.perf_counter()
+                r = c.chat.completions.create(model=s.model, messages=messages, max_tokens=max_tokens,
+                                              temperature=0, extra_body={"adaspec": {"return_token_ids": True}})
+                latencies.append(time.perf_counter() - t0)
+                messages.append({"role": "assistant", "content": r.choices[0].message.content})
+                tokens += r.model_extra["adaspec"]["token_ids"]
+                prompt += r.usage.prompt_tokens
+                cached += r.usage.prompt_tokens_details.cached_tokens
+            return latencies, tokens, prompt, cached, None
         except Exception as exc:  # counted, reported
-            return time.perf_counter() - t0, [], exc
+            return latencies or [time.perf_counter() - t0], tokens, prompt, cached, exc
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         out = list(pool.map(one, range(requests)))
     wall = time.perf_counter() - t0
     after = metrics(s.url, *COUNTERS.values())
-    return summarise({"wall": wall, "latencies": sorted(o[0] for o in out),
+    return summarise({"wall": wall, "latencies": sorted(t for o in out for t in o[0]),
                       "completion_tokens": sum(len(o[1]) for o in out),
+                      "prompt_tokens": sum(o[2] for o in out), "cached_tokens": sum(o[3] for o in out),
                       **{k: after[n] - before[n] for k, n in COUNTERS.items()},
-                      "errors": sum(o[2] is not None for o in out), "tokens": {i: o[1] for i, o in enumerate(out)}})
+                      "errors": sum(o[4] is not None for o in out), "tokens": {i: o[1] for i, o in enumerate(out)}})
 
 
 def merge(acc: dict | None, r: dict) -> dict:
@@ -86,7 +101,7 @@ def merge(acc: dict | None, r: dict) -> dict:
         return r
     lat = sorted(acc.pop("latencies") + r.pop("latencies"))
     out = {"wall": acc["wall"] + r["wall"], "errors": acc["errors"] + r["errors"], "latencies": lat,
-           "completion_tokens": acc["completion_tokens"] + r["completion_tokens"],
+           **{k: acc[k] + r[k] for k in ("completion_tokens", "prompt_tokens", "cached_tokens")},
            "rounds": acc["rounds"] + r["rounds"], "rows": acc["rows"] + r["rows"],
            "prefill": acc["prefill"] + r["prefill"],
            "tokens": acc["tokens"],  # the first repeat's; a repeat that differs from it is not identical
@@ -99,7 +114,8 @@ def summarise(r: dict) -> dict:
     lat = r["latencies"]
     return {**r, "tokens_per_s": r["completion_tokens"] / r["wall"], "p50": statistics.median(lat),
             "p95": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
-            "batch_mean": r["rows"] / r["rounds"] if r["rounds"] else 0.0, "prefill_share": r["prefill"] / r["wall"]}
+            "batch_mean": r["rows"] / r["rounds"] if r["rounds"] else 0.0, "prefill_share": r["prefill"] / r["wall"],
+            "cached_share": r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0}
 
 
 def overhead(s, prompts, max_tokens: int) -> dict:
@@ -139,6 +155,9 @@ def main() -> int:
     p.add_argument("--max-batch", default="1,8", help="one server per value (its --max-batch)")
     p.add_argument("--repeat", type=int, default=1,
                    help="cells per client count and server, their order rotated, summed (default: %(default)s)")
+    p.add_argument("--turns", action="store_true",
+                   help="each request is a multi-turn conversation of the suite (its questions with several turns), "
+                        "every turn sent with the history so far, the server's answers included")
     p.add_argument("--overhead", action="store_true", help="also measure HTTP against the engine directly")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="runs/bench_serve.json")
@@ -149,9 +168,13 @@ def main() -> int:
 
     prompts, seen = [], {}
     for q in load_jsonl_suite(a.suite):
+        if a.turns and not q.followups:
+            continue
         if seen.get(q.category, 0) < a.per_category:
             seen[q.category] = seen.get(q.category, 0) + 1
             prompts.append(q)
+    if not prompts:
+        p.error(f"--turns: {a.suite} has no question with more than one turn")
     batches = [b.strip() for b in a.max_batch.split(",")]
     counts = [int(c) for c in a.clients.split(",")]
     results: dict = {}
@@ -168,7 +191,7 @@ def main() -> int:
             for rep in range(a.repeat):  # the order rotates per client count and per repeat: drift hits all alike
                 k = (n + rep) % len(batches)
                 for b in batches[k:] + batches[:k]:
-                    got[b] = merge(got.get(b), load(servers[b], prompts, a.requests, clients, a.max_tokens))
+                    got[b] = merge(got.get(b), load(servers[b], prompts, a.requests, clients, a.max_tokens, a.turns))
             ref = got[batches[0]]["tokens"]
             for b in batches:
                 r = got[b]
@@ -181,19 +204,21 @@ def main() -> int:
         labels, policy = s0.worker.labels, s0.worker.policy_spec
         chosen = {b: getattr(s.worker, "max_batch", 1) for b, s in servers.items()}
 
-    print(f"\n{len(prompts)} prompts ({a.per_category}/category of {Path(a.suite).name}), {a.requests} requests per "
+    what = "conversations of " + "/".join(sorted({str(1 + len(q.followups)) for q in prompts})) + " turns" \
+        if a.turns else "prompts"
+    print(f"\n{len(prompts)} {what} ({a.per_category}/category of {Path(a.suite).name}), {a.requests} requests per "
           f"cell × {a.repeat}, {a.max_tokens} max tokens, greedy, {torch.get_num_threads()} thread(s), "
           f"arms {', '.join(labels)}, policy {policy}; "
           f"--max-batch {', '.join(f'{b} (= {chosen[b]})' for b in batches)}\n")
     base = batches[0]
     print("| clients | --max-batch | tokens/s | × " + base + " | p50 s | p50 ÷ " + base + " | p95 s | mean batch | "
-          "prefill share | errors | tokens = " + base + " |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "prefill share | cached share | errors | tokens = " + base + " |\n" + "|---" * 12 + "|")
     for clients in counts:
         for b in batches:
             r, r0 = results[clients][b], results[clients][base]
             print(f"| {clients} | {b} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / r0['tokens_per_s']:.2f} | "
                   f"{r['p50']:.2f} | {r['p50'] / r0['p50']:.2f} | {r['p95']:.2f} | {r['batch_mean']:.2f} | "
-                  f"{r['prefill_share']:.0%} | "
+                  f"{r['prefill_share']:.0%} | {r['cached_share']:.0%} | "
                   f"{r['errors']} | {'yes' if r['identical'] else 'NO'} |")
     if a.overhead:
         o = results["overhead"]

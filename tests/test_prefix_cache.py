@@ -107,3 +107,31 @@ def test_the_server_reports_the_prompt_tokens_it_reused(tiny_target_dir):
             assert r.usage.prompt_tokens_details.cached_tokens == 0
     with pytest.raises(UserError, match="--prefix-cache-mib must be an integer >= 0"):
         RunningServer(["--target", tiny_target_dir, "--prefix-cache-mib", "-1"])
+
+
+def test_bench_serve_conversations_send_every_turn_with_the_servers_answers(tiny_target_dir, tmp_path):
+    """scripts/bench_serve.py ``--turns``: a suite row's later turns are its ``followups``, and each conversation
+    sends them in order with the history so far, so the server finds the earlier turns (answers included) cached."""
+    import sys
+    from pathlib import Path
+
+    from decode.commands.serve.command import RunningServer
+    from decode.evaluation.suites import load_jsonl_suite
+    from helpers import SERVE_ARMS
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_serve import load
+
+    suite = tmp_path / "q.jsonl"
+    suite.write_text('{"question_id": 1, "category": "chat", "turns": ["Tell me about the sea.", "Shorter.", '
+                     '"", "Again."]}\n{"question_id": 2, "category": "chat", "turns": ["One turn."]}\n')
+    convo, single = load_jsonl_suite(suite)
+    assert convo.followups == ("Shorter.", "Again.") and single.followups == ()  # empty turns are not sent
+    with RunningServer(["--target", tiny_target_dir, "--arms", SERVE_ARMS, "--state-file", "none",
+                        "--max-batch", "2", "--threads", "1"]) as s:
+        r = load(s, [convo], 2, 1, 6, turns=True)
+    assert r["errors"] == 0 and len(r["latencies"]) == 2 * 3  # two conversations of three turns, one at a time
+    assert r["tokens"][0] == r["tokens"][1] and 3 <= len(r["tokens"][0]) <= 18  # greedy: the same conversation
+    # the second conversation's three prompts were all seen (all but their last token); the first's later turns
+    # re-send its earlier prompts and answers, its first turn nothing
+    assert r["prompt_tokens"] // 2 - 3 < r["cached_tokens"] < r["prompt_tokens"] - 3

@@ -1,7 +1,8 @@
 """Prompt suites: Spec-Bench-style JSONL files and a small built-in mixed set.
 
 Spec-Bench JSONL rows: {"question_id": ..., "category": ..., "turns": [first user turn, ...]}.
-Only the first turn is used (single-turn evaluation).
+Evaluation uses the first turn (single-turn); the later ones are kept as ``followups`` (a multi-turn served load:
+scripts/bench_serve.py ``--turns``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class Prompt:
     id: str
     category: str
     text: str
+    followups: tuple[str, ...] = ()  # the row's later user turns (its non-empty strings), in order
 
 
 REQUIRED = ("question_id", "category", "turns")
@@ -53,7 +55,8 @@ def _prompt(row, path, lineno: int) -> Prompt:
     if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
         raise UserError(f"--suite {path}:{lineno}: 'turns' must be a non-empty list whose first "
                         f"element is a non-empty string")
-    return Prompt(str(row["question_id"]), str(row["category"]), turns[0])
+    later = tuple(t for t in turns[1:] if isinstance(t, str) and t.strip())
+    return Prompt(str(row["question_id"]), str(row["category"]), turns[0], later)
 
 
 def _first_non_utf8_line(p: Path) -> int:
