@@ -155,6 +155,32 @@ def test_interactive_loop_reports_a_bad_prompt_and_goes_on(tiny_target_dir, tiny
     assert out == tiny_reference + "\n"
 
 
+def test_chat_keeps_one_conversation_and_reuses_its_earlier_turns(tiny_target_dir, tiny_reference, capsys,
+                                                                    monkeypatch):
+    """--chat: the second line is answered with the first turn and its answer as history (equal to plain greedy
+    decoding of that conversation), and its prompt takes the first turn's prompt and answer from the prefix cache."""
+    from helpers import plain_greedy
+    from decode.core.models import eos_token_ids, load_model
+    from decode.evaluation.peers import truncate_at_eos
+    from decode.evaluation.suites import encode_messages
+
+    second = "Tell me a story."
+    code, out, err = generate(capsys, "--chat", "--target", tiny_target_dir, "--arms", ARMS, "--max-new-tokens",
+                              "24", stdin=io.StringIO(f"{PROMPT}\n{second}\n\n"), monkeypatch=monkeypatch)
+    assert code == 0, err
+    model, tok = load_model(tiny_target_dir)
+    eos = set(eos_token_ids(model, tok))
+    history = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": tiny_reference},
+               {"role": "user", "content": second}]
+    ids = encode_messages(tok, history)
+    tokens, _ = truncate_at_eos(plain_greedy(model, ids, 24, eos), eos)
+    assert out == tiny_reference + "\n" + tok.decode(tokens, skip_special_tokens=True) + "\n"
+    turns = re.findall(r"turn (\d): prompt (\d+) tokens, (\d+) of them kept from earlier turns", err)
+    first = len(encode_messages(tok, history[:1]))
+    assert turns[0] == ("1", str(first), "0") and turns[1][:2] == ("2", str(len(ids)))
+    assert int(turns[1][2]) >= first  # the first turn's prompt at least (its answer too, as far as it re-tokenises)
+
+
 # ---- streaming detokenisation ---------------------------------------------------------------------------------
 
 def test_incremental_text_holds_back_partial_characters(tiny_target_dir):
@@ -229,6 +255,8 @@ class Terminal(io.StringIO):
     (["hi", "--temperature", "nan"], None, "--temperature must be a finite number >= 0"),
     (["hi", "--threads", "0"], None, "--threads must be an integer >= 1, got 0"),
     (["hi", "--interactive"], None, "--interactive reads its prompts at the '>>>' prompt; drop the PROMPT"),
+    (["hi", "--chat"], None, "--chat reads its turns at the '>>>' prompt; drop the PROMPT argument"),
+    (["--chat", "--raw"], None, "--chat renders the conversation with the chat template; drop --raw"),
     (["hi", "--compile", "--cache", "dynamic"], None, "--compile needs --cache static"),
     (["hi", "--device", "tpu"], None, "--device must be auto|cpu|cuda[:N]"),
     (["hi", "--length", "warp"], None, "unknown length controller 'warp'"),

@@ -6,7 +6,9 @@ is the command that measures.
 stdout carries the generated text only (and a final newline); the summary, the legend and the
 interactive ``>>>`` prompt go to stderr, so ``decode generate "..." > out.txt`` keeps just the text.
 The prompt is rendered with the target's chat template exactly as ``decode eval`` renders its prompts
-(``--raw`` feeds the text as it is). Arms, pool, policy, sampling, device, dtype and cache flags mean
+(``--raw`` feeds the text as it is). ``--chat`` is the interactive loop as one conversation: each line is the next
+user turn, sent with the history (the model's answers included), whose keys and values the prefix cache keeps
+(decode/core/prefix_cache.py), so a turn prefills only its new message. Arms, pool, policy, sampling, device, dtype and cache flags mean
 what they mean in ``decode eval``; ``--policy`` takes one policy spec.
 """
 from __future__ import annotations
@@ -32,7 +34,8 @@ from ..choose.policies import build_policy
 from ..choose.policies.simple import Fixed
 from ..core.sampling import SamplingConfig
 from ..common.specs import split_specs
-from ..evaluation.suites import encode_prompt
+from ..core.prefix_cache import DEFAULT_MIB as PREFIX_CACHE_MIB, PrefixCache
+from ..evaluation.suites import encode_messages, encode_prompt
 
 PROMPT = ">>> "
 DEFAULT_ARMS = "pld:L=4;suffix:L=6"  # model-free, so it runs on any target with nothing trained
@@ -47,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-i", "--interactive", action="store_true",
                    help=f"read one prompt per line at '{PROMPT.strip()}' (each a new single-turn chat, no history); "
                         "an empty line, EOF (Ctrl-D) or Ctrl-C ends")
+    p.add_argument("--chat", action="store_true",
+                   help="like --interactive, but one conversation: each line is the next user turn, decoded with the "
+                        "history (the model's answers included), whose KV is kept so a turn prefills only its new "
+                        "message")
     p.add_argument("--raw", action="store_true", help="feed the prompt text as it is, without the chat template")
     p.add_argument("--target", default=DEFAULT_TARGET, help="alias, local HF folder or hub id (default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the hub")
@@ -227,6 +234,11 @@ def check_args(args) -> tuple[list[str], str, SamplingConfig]:
     if args.interactive and args.prompt is not None:
         raise UserError("--interactive reads its prompts at the '>>>' prompt; drop the PROMPT argument "
                         "(or drop --interactive to decode just that prompt)")
+    if args.chat and args.prompt is not None:
+        raise UserError("--chat reads its turns at the '>>>' prompt; drop the PROMPT argument")
+    if args.chat and args.raw:
+        raise UserError("--chat renders the conversation with the chat template; drop --raw")
+    args.interactive = args.interactive or args.chat
     from ..engine.pools import collect_arms
     collected = collect_arms(args.arms, args.pool, DEFAULT_ARMS)
     specs = collected.arms
@@ -282,6 +294,7 @@ class Session:
         self.model, self.tok, self.sampling, self.args, self.err = model, tok, sampling, args, err
         self.pad = pad_token_id(tok, self.eos)
         self.warm = False
+        self.history: list[dict] | None = [] if args.chat else None  # --chat: the conversation so far
 
     def _seed(self) -> None:
         """Every prompt starts from --seed (the engine's generator; HF generate samples from torch's)."""
@@ -304,12 +317,21 @@ class Session:
         self.warm = True
 
     def decode(self, text: str, out: TextIO, colours: list[str] | None) -> Generation:
-        """Decode one prompt, streaming its text to ``out``; then the summary (and HF comparison) to stderr."""
-        ids = encode(self.tok, text, self.args.raw)
+        """Decode one prompt (with ``--chat``, the conversation's next turn), streaming its text to ``out``; then the
+        summary (and HF comparison) to stderr."""
+        if self.history is None:
+            ids = encode(self.tok, text, self.args.raw)
+        else:
+            if not text.strip():
+                raise UserError("empty turn: there is nothing to answer")
+            ids = encode_messages(self.tok, self.history + [{"role": "user", "content": text}])
         overflow = context_overflow(self.args.max_new_tokens, context_of(self.model.config), self.args.target, [len(ids)])
         if overflow:
             self.err.write(f"note: {overflow}\n")
         self._warm_up(ids)
+        target = self.engine.target
+        if self.history is not None and target.prefix_cache is None:  # after the warm-up: it times no real turn
+            target.prefix_cache = PrefixCache(PREFIX_CACHE_MIB * 2 ** 20)
         self._seed()
         printer = TokenPrinter(decode_text(self.tok), out, colours)
         state = self.engine.begin(ids, self.policy, self.args.max_new_tokens, self.length)
@@ -324,6 +346,11 @@ class Session:
             printer.close(last)
         g = self.engine.finish(state)
         self.err.write(summary(g, self.labels, self.args.show_arms, colours) + "\n")
+        if self.history is not None:
+            self.history += [{"role": "user", "content": text},
+                             {"role": "assistant", "content": self.tok.decode(g.tokens, skip_special_tokens=True)}]
+            self.err.write(f"turn {len(self.history) // 2}: prompt {len(ids)} tokens, {target.prefix_reused} of them "
+                           f"kept from earlier turns\n")
         if self.args.compare_hf:
             self.err.write(self._compare_hf(ids, g) + "\n")
         self.err.flush()

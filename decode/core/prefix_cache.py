@@ -67,6 +67,9 @@ def _nbytes(state) -> int:
         else 0
 
 
+DEFAULT_MIB = 512  # decode serve's --prefix-cache-mib and decode generate --chat's budget
+
+
 class PrefixCache:
     """Prompts' KV across requests, least recently used evicted past ``max_bytes`` (module docstring)."""
 

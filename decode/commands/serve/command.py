@@ -29,7 +29,7 @@ from ...core.models import DEFAULT_TARGET, cache_dir
 from ...choose.policies import build_policy
 from ...choose.policies.simple import Fixed
 from ...choose.length import build_length
-from ...core.prefix_cache import PrefixCache
+from ...core.prefix_cache import DEFAULT_MIB as PREFIX_CACHE_MIB, PrefixCache
 from ...engine.pools import REPO_ROOT, Pool, collect_arms, load_pool
 from ...core.sampling import SamplingConfig
 from ...common.specs import split_specs
@@ -71,10 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft-length controller of rounds decoded one request at a time (--max-batch 1), as in "
                         "`decode generate`: fixed, beta-ts, cali-ts, cost (default: the pool's `length`, else fixed; "
                         "batched rounds take --batch-length)")
-    p.add_argument("--prefix-cache-mib", type=int, default=512,
-                   help="memory for prompts' KV kept across requests, so a prompt that starts like one seen before "
-                        "(a chat's history, a shared system prompt, a retry) prefills only what is new; least "
-                        "recently used evicted; 0 = off (default: %(default)s)")
+    p.add_argument("--prefix-cache-mib", type=int, default=PREFIX_CACHE_MIB,
+                   help="memory for prompts' and answers' KV kept across requests, so a prompt that starts like one "
+                        "seen before (a chat's history, a shared system prompt, a retry) prefills only what is new; "
+                        "least recently used evicted; 0 = off (default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from a request's arrival to its last token, queueing included (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64,
