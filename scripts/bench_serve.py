@@ -81,7 +81,7 @@ def load(s, prompts, requests: int, clients: int, max_tokens: int, turns: bool =
                 cached += r.usage.prompt_tokens_details.cached_tokens
             return latencies, tokens, prompt, cached, None
         except Exception as exc:  # counted, reported
-            return latencies or [time.perf_counter() - t0], tokens, prompt, cached, exc
+            return latencies + [time.perf_counter() - t0], tokens, prompt, cached, exc  # the failed turn's too
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:

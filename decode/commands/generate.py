@@ -8,8 +8,8 @@ interactive ``>>>`` prompt go to stderr, so ``decode generate "..." > out.txt`` 
 The prompt is rendered with the target's chat template exactly as ``decode eval`` renders its prompts
 (``--raw`` feeds the text as it is). ``--chat`` is the interactive loop as one conversation: each line is the next
 user turn, sent with the history (the model's answers included), whose keys and values the prefix cache keeps
-(decode/core/prefix_cache.py), so a turn prefills only its new message. Arms, pool, policy, sampling, device, dtype and cache flags mean
-what they mean in ``decode eval``; ``--policy`` takes one policy spec.
+(decode/core/prefix_cache.py), so a turn prefills only its new message. Arms, pool, policy, sampling, device,
+dtype and cache flags mean what they mean in ``decode eval``; ``--policy`` takes one policy spec.
 """
 from __future__ import annotations
 
@@ -321,9 +321,7 @@ class Session:
         summary (and HF comparison) to stderr."""
         if self.history is None:
             ids = encode(self.tok, text, self.args.raw)
-        else:
-            if not text.strip():
-                raise UserError("empty turn: there is nothing to answer")
+        else:  # the interactive loop ends at an empty line, so a turn has text
             ids = encode_messages(self.tok, self.history + [{"role": "user", "content": text}])
         overflow = context_overflow(self.args.max_new_tokens, context_of(self.model.config), self.args.target, [len(ids)])
         if overflow:
