@@ -188,11 +188,10 @@ class RowCache:
         """Copies of ``row``'s first ``n`` valid slots' keys and values (its first n logical positions), per layer
         ``[kv heads, n, dim]``: a finished row kept in a prefix cache (decode/core/prefix_cache.py)."""
         slots = self.valid[row].nonzero()[:, 0]
-        if n > len(slots):
+        if not 0 < n <= len(slots):  # a valid slot implies an allocation
             raise ValueError(f"cannot export {n} positions of row {row}, which holds {len(slots)}")
-        slots = slots[:n]
-        layers = _layers(self.hf) if self.hf is not None else []
-        idx = slots.to(layers[0].keys.device) if layers else slots
+        layers = _layers(self.hf)
+        idx = slots[:n].to(layers[0].keys.device)
         return [x.keys[row][:, idx] for x in layers], [x.values[row][:, idx] for x in layers]
 
     def commit(self, keep_block: torch.Tensor) -> None:
