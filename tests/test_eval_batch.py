@@ -152,3 +152,34 @@ def test_each_method_keeps_one_engine_and_a_carried_policy_serves_every_row(tiny
     assert built.count("ucbspec") == 1 + 4  # checked, then its own for each of the 2 passes × 2 rows
     methods = len(report["results"]["2"]) - 1  # every method but hf runs our engine
     assert len(engines) == methods + 1  # one each, plus the warm-up's
+
+
+def test_our_engines_decode_a_segment_in_lockstep_and_hf_alone_by_turns(tiny_target_dir, tmp_path, monkeypatch):
+    """Our engines take one round each in turn (the machine's drift meets them alike), each timed on its own clock
+    (a row's latency is that clock when it finished: the last row's is the engine's seconds); HF runs alone, before
+    them in one segment and after them in the next."""
+    import decode.evaluation.batched as batched
+    from decode.engine.batch import BatchEngine
+    calls = []  # the engines themselves (kept alive, so no two are confused), "hf" for an HF segment
+    real_step, real_hf = BatchEngine.step, batched._hf_segment
+    monkeypatch.setattr(BatchEngine, "step", lambda self: calls.append(self) or real_step(self))
+    monkeypatch.setattr(batched, "_hf_segment", lambda *a, **k: calls.append("hf") or real_hf(*a, **k))
+    out = tmp_path / "report.json"
+    assert main(["eval", "--target", tiny_target_dir, "--batch", "2", "--batch-repeat", "2", "--limit", "1",
+                 "--max-new-tokens", "6", "--categories", "chat,code", "--policies", "ucbspec", "--out", str(out),
+                 "--no-progress", "--no-plots"]) == 0
+    first_hf = calls.index("hf")
+    assert calls[-1] == "hf" and calls.count("hf") == 2  # segment 0: HF first; segment 1: HF last
+    ours = calls[first_hf + 1:-1]
+    engines = list(dict.fromkeys(ours))
+    assert len(engines) == 6  # none, pld, suffix, schedule, ema, ucbspec: the warm-up's engine ran before
+    for seg in (ours[:len(ours) // 2], ours[len(ours) // 2:]):  # every engine ran both segments, equally often
+        assert set(seg) == set(engines)
+        for i, e in enumerate(seg):  # an engine steps again only after every engine still decoding has stepped
+            later = set(seg[i + 1:])
+            nxt = seg.index(e, i + 1) if e in later else len(seg)
+            assert set(seg[i + 1:nxt]) == later - {e}, i
+    records = [json.loads(x) for x in out.with_name("records.jsonl").read_text().splitlines()]
+    for r in records:
+        if "segment" in r and r["method"] != "hf":
+            assert max(x["latency"] for x in r["rows"]) == r["seconds"] > 0

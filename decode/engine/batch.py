@@ -84,7 +84,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -1149,17 +1149,23 @@ class BatchEngine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, max_batch: int | None = None) -> list[Row]:
         """Decode every prompt, at most ``max_batch`` rows at a time (None = all at once); a finished row's place
         is taken by the next prompt before the next round. Returns the rows in prompt order."""
-        queue = list(enumerate(prompts))
+        out: dict[int, Row] = {}
+        for finished in self.decoding(prompts, max_new_tokens, max_batch):
+            out.update(finished)
+        return [out[k] for k in range(len(prompts))]
+
+    def decoding(self, prompts: list[list[int]], max_new_tokens: int,
+                 max_batch: int | None = None) -> Iterator[list[tuple[int, Row]]]:
+        """:meth:`generate` a round at a time: the rows that join, then one round, then the (prompt index, row)
+        pairs that finished in it are yielded, so a caller can run several engines in turn, round by round, and
+        time each one's own work (``decode eval --batch``: decode/evaluation/batched.py)."""
         cap = max_batch or len(prompts)
         if cap < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
+        queue = list(enumerate(prompts))
         by_rid: dict[int, int] = {}
-        out: dict[int, Row] = {}
         while queue or self.rows:
             while queue and len(self.rows) < cap:
                 k, p = queue.pop(0)
                 by_rid[self.add(p, max_new_tokens)] = k
-            for r in self.step():
-                out[by_rid[r.rid]] = r
-        return [out[k] for k in range(len(prompts))]
-
+            yield [(by_rid[r.rid], r) for r in self.step()]

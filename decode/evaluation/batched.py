@@ -24,10 +24,15 @@ segment and batch size to the next. A resumed run starts that learning afresh at
 
 Our methods batch continuously: B rows in flight, a finished row's place taken by the next prompt before the next
 round. Every request arrives at the start of its segment, so a row's latency includes its wait for a place (and
-for ``hf``, for its group's whole batch). Interleaving: the suite is cut into segments of 4·B prompts, and each
-segment is decoded by every method in an order that rotates per segment, so machine noise hits all alike.
-Each finished (B, segment, method) is appended to the records file as it completes, and rerunning the same
-command resumes.
+for ``hf``, for its group's whole batch). Interleaving: the suite is cut into segments of 4·B prompts. Our
+engines decode a segment in **lockstep**: one round of each in turn (its rows joining first), in an order that
+rotates per segment, each timed on its own clock (the sum of its turns: its joins' prefills and its rounds;
+a row's latency is that clock when it finished). On a 2-core machine whose speed drifts by 10–20% within minutes,
+methods run one after the other met different machines (a segment at B = 16 takes each ~30 s); turns of ~0.1 s
+meet the same one. HF ``generate``, one call per group, runs alone before or after them, by turns. Sampled runs
+draw from generators seeded per segment (the global one for HF and whatever else uses it), so they are
+reproducible for the same set of methods to decode. Each finished (B, segment, method) is appended to the records
+file as its run completes, and rerunning the same command resumes.
 """
 from __future__ import annotations
 
@@ -185,23 +190,31 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
             hf_generate_batch(model, encoded[:2], warm, sampling, eos, pad)
             engine(methods[1], 0, keep=False).generate(encoded[:2], warm)
         bar = tqdm(total=len(todo), desc="eval --batch", unit="run", disable=cfg.no_progress)
-        for B in cfg.batch:
+        for bi, B in enumerate(cfg.batch):
             per_pass = len(_segments(len(prompts), B))
             for si, seg in enumerate(_segments(len(prompts), B, cfg.batch_repeat)):
-                for name in rotated(names, si + cfg.batch.index(B)):
-                    if (B, si, name) in done:
-                        continue
-                    m = methods[names.index(name)]
-                    seed = cfg.seed * 1_000_003 + si
+                pending = [n for n in rotated(names, si + bi) if (B, si, n) not in done]
+                ours = [n for n in pending if n != HF]
+                seed = cfg.seed * 1_000_003 + si
+                batch = [encoded[i] for i in seg]
+                groups = [ours] if ours else []
+                if HF in pending:  # HF runs alone, before our engines' lockstep run or after it, by turns
+                    groups.insert(len(groups) if (si + bi) % 2 else 0, [HF])
+                for group in groups:
                     torch.manual_seed(seed)  # HF generate samples from the global generator
-                    rows, seconds = _decode(m, engine(m, seed) if m.kind != "hf" else None, model,
-                                            [encoded[i] for i in seg], B, cfg.max_new_tokens, sampling, eos, pad)
-                    rec = {"B": B, "segment": si, "pass": si // per_pass, "method": name, "seconds": seconds,
-                           "rows": [{"prompt_id": prompts[i].id, **r} for i, r in zip(seg, rows)]}
-                    log.append(rec)
-                    records.append(rec)
-                    bar.set_postfix_str(f"B={B} {name[:24]} {sum(len(r['token_ids']) for r in rows) / seconds:.1f} tok/s")
-                    bar.update()
+                    if group == [HF]:
+                        results = {HF: _hf_segment(model, batch, B, cfg.max_new_tokens, sampling, eos, pad)}
+                    else:
+                        results = _lockstep({n: engine(methods[names.index(n)], seed) for n in group}, batch, B,
+                                            cfg.max_new_tokens)
+                    for name, (rows, seconds) in results.items():
+                        rec = {"B": B, "segment": si, "pass": si // per_pass, "method": name, "seconds": seconds,
+                               "rows": [{"prompt_id": prompts[i].id, **r} for i, r in zip(seg, rows)]}
+                        log.append(rec)
+                        records.append(rec)
+                        tps = sum(len(r["token_ids"]) for r in rows) / seconds
+                        bar.set_postfix_str(f"B={B} {name[:24]} {tps:.1f} tok/s")
+                        bar.update()
         bar.close()
     except KeyboardInterrupt:
         print(f"interrupted: the finished runs are kept in {cfg.records_path}; run the same command again to resume",
@@ -226,23 +239,40 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
     return 0
 
 
-def _decode(m: BatchMethod, eng: BatchEngine | None, model, batch: list[list[int]], B: int, n: int,
-            sampling: SamplingConfig, eos, pad) -> tuple[list[dict], float]:
-    """One segment through one method: per row its tokens, latency (from the segment's start) and target
-    forwards, and the segment's seconds."""
+def _hf_segment(model, batch: list[list[int]], B: int, n: int, sampling: SamplingConfig, eos,
+                pad) -> tuple[list[dict], float]:
+    """One segment through HF ``generate``, groups of B prompts in turn: per row its tokens, latency (from the
+    segment's start, to its group's end) and forwards, and the segment's seconds."""
     t0 = time.perf_counter()
-    if m.kind == "hf":
-        rows = []
-        for g in range(0, len(batch), B):
-            out, _ = hf_generate_batch(model, batch[g:g + B], n, sampling, eos, pad)
-            t = time.perf_counter() - t0
-            rows += [{"token_ids": tokens, "latency": t, "forwards": len(tokens)} for tokens, _ in out]
-        return rows, time.perf_counter() - t0
-    done = eng.generate(batch, n, max_batch=B)
-    seconds = time.perf_counter() - t0
-    return [{"token_ids": r.tokens, "latency": r.finished - t0, "forwards": len(r.rounds),
-             "accepted": sum(x.accepted for x in r.rounds), "drafted": sum(x.drafted for x in r.rounds)}
-            for r in done], seconds
+    rows = []
+    for g in range(0, len(batch), B):
+        out, _ = hf_generate_batch(model, batch[g:g + B], n, sampling, eos, pad)
+        t = time.perf_counter() - t0
+        rows += [{"token_ids": tokens, "latency": t, "forwards": len(tokens)} for tokens, _ in out]
+    return rows, time.perf_counter() - t0
+
+
+def _lockstep(engines: dict[str, BatchEngine], batch: list[list[int]], B: int,
+              n: int) -> dict[str, tuple[list[dict], float]]:
+    """One segment through several engines at once, a round of each in turn (module docstring): per engine its
+    rows (tokens; latency: the engine's own seconds when the row finished; target forwards; drafted and accepted
+    tokens) and its own seconds, the sum of its turns (joins' prefills and rounds)."""
+    runs = {name: eng.decoding(batch, n, max_batch=B) for name, eng in engines.items()}
+    own = dict.fromkeys(engines, 0.0)
+    rows: dict[str, dict[int, dict]] = {name: {} for name in engines}
+    while runs:
+        for name in list(runs):
+            t = time.perf_counter()
+            finished = next(runs[name], None)
+            if finished is None:
+                del runs[name]
+                continue
+            own[name] += time.perf_counter() - t
+            for k, r in finished:
+                rows[name][k] = {"token_ids": r.tokens, "latency": own[name], "forwards": len(r.rounds),
+                                 "accepted": sum(x.accepted for x in r.rounds),
+                                 "drafted": sum(x.drafted for x in r.rounds)}
+    return {name: ([rows[name][k] for k in range(len(batch))], own[name]) for name in engines}
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
