@@ -29,10 +29,11 @@ engines decode a segment in **lockstep**: one round of each in turn (its rows jo
 rotates per segment, each timed on its own clock (the sum of its turns: its joins' prefills and its rounds;
 a row's latency is that clock when it finished). On a 2-core machine whose speed drifts by 10–20% within minutes,
 methods run one after the other met different machines (a segment at B = 16 takes each ~30 s); turns of ~0.1 s
-meet the same one. HF ``generate``, one call per group, runs alone before or after them, by turns. Sampled runs
-draw from generators seeded per segment (the global one for HF and whatever else uses it), so they are
-reproducible for the same set of methods to decode. Each finished (B, segment, method) is appended to the records
-file as its run completes, and rerunning the same command resumes.
+meet the same one (the price: every engine holds its cache at once, memory the sum of theirs, ~1 GB an engine at
+B = 16 on the default target). HF ``generate``, one call per group, runs alone before or after them, by turns.
+Sampled runs draw from generators seeded per segment (the global one for HF and whatever else uses it), so they
+are reproducible for the same set of methods to decode. Each finished (B, segment, method) is appended to the
+records file as its run completes, and rerunning the same command resumes.
 """
 from __future__ import annotations
 
