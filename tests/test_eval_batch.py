@@ -160,21 +160,23 @@ def test_our_engines_decode_a_segment_in_lockstep_and_hf_alone_by_turns(tiny_tar
     them in one segment and after them in the next."""
     import decode.evaluation.batched as batched
     from decode.engine.batch import BatchEngine
-    calls = []  # the engines themselves (kept alive, so no two are confused), "hf" for an HF segment
-    real_step, real_hf = BatchEngine.step, batched._hf_segment
+    calls = []  # the engines themselves (kept alive, so no two are confused); "hf", "ours": a segment's run begins
+    real_step, real_hf, real_lockstep = BatchEngine.step, batched._hf_segment, batched._lockstep
     monkeypatch.setattr(BatchEngine, "step", lambda self: calls.append(self) or real_step(self))
     monkeypatch.setattr(batched, "_hf_segment", lambda *a, **k: calls.append("hf") or real_hf(*a, **k))
+    monkeypatch.setattr(batched, "_lockstep", lambda *a, **k: calls.append("ours") or real_lockstep(*a, **k))
     out = tmp_path / "report.json"
     assert main(["eval", "--target", tiny_target_dir, "--batch", "2", "--batch-repeat", "2", "--limit", "1",
                  "--max-new-tokens", "6", "--categories", "chat,code", "--policies", "ucbspec", "--out", str(out),
                  "--no-progress", "--no-plots"]) == 0
-    first_hf = calls.index("hf")
-    assert calls[-1] == "hf" and calls.count("hf") == 2  # segment 0: HF first; segment 1: HF last
-    ours = calls[first_hf + 1:-1]
-    engines = list(dict.fromkeys(ours))
+    runs = [c for c in calls if isinstance(c, str)]
+    assert runs == ["hf", "ours", "ours", "hf"]  # segment 0: HF first; segment 1: HF last
+    first, second = calls.index("ours"), calls.index("ours", calls.index("ours") + 1)
+    segments = calls[first + 1:second], calls[second + 1:-1]
+    engines = set(segments[0])
     assert len(engines) == 6  # none, pld, suffix, schedule, ema, ucbspec: the warm-up's engine ran before
-    for seg in (ours[:len(ours) // 2], ours[len(ours) // 2:]):  # every engine ran both segments, equally often
-        assert set(seg) == set(engines)
+    for seg in segments:
+        assert set(seg) == engines
         for i, e in enumerate(seg):  # an engine steps again only after every engine still decoding has stepped
             later = set(seg[i + 1:])
             nxt = seg.index(e, i + 1) if e in later else len(seg)
