@@ -71,7 +71,6 @@ HF = "hf"
 @dataclass
 class BatchMethod:
     name: str
-    kind: str  # hf | none | fixed | schedule | ema | adaptive
     arms: tuple[str, ...] = ()
     policy: str = "fixed:arm=0"
     length: str = "fixed"
@@ -82,16 +81,16 @@ def batch_methods(cfg) -> list[BatchMethod]:
     its flag."""
     check_batch_arm_specs(cfg.arms)
     drafting = [s for s in cfg.arms if parse_spec(s)[0] != "none"]
-    methods = [BatchMethod(HF, "hf"), BatchMethod("batch:none", "none", ("none",))]
-    methods += [BatchMethod(f"batch:{s}", "fixed", (s,)) for s in drafting]
+    methods = [BatchMethod(HF), BatchMethod("batch:none", ("none",))]
+    methods += [BatchMethod(f"batch:{s}", (s,)) for s in drafting]
     if drafting:
         first = drafting[0]
-        methods += [BatchMethod(f"batch:{first}+schedule", "schedule", (first,), length=f"schedule:{cfg.batch_schedule}"),
-                    BatchMethod(f"batch:{first}+ema", "ema", (first,), length=f"ema:{cfg.batch_ema}")]
+        methods += [BatchMethod(f"batch:{first}+schedule", (first,), length=f"schedule:{cfg.batch_schedule}"),
+                    BatchMethod(f"batch:{first}+ema", (first,), length=f"ema:{cfg.batch_ema}")]
     pool = tuple(cfg.arms)
     for spec in cfg.policies:
         build_policy(spec, len(pool), 1)  # names and parameters checked before any model loads
-        methods.append(BatchMethod(f"batch:{spec}+cost", "adaptive", pool, spec, "cost"))
+        methods.append(BatchMethod(f"batch:{spec}+cost", pool, spec, "cost"))
     return methods
 
 
