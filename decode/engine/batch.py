@@ -906,6 +906,18 @@ class BatchEngine:
         extra = counterfactual * self.counterfactual_seconds() / one if one else 0.0
         return lambda w, n=None: model(w, n) * spec + extra if w > 1 else model(w, n) * plain
 
+    def estimates(self) -> dict:
+        """What the cost controller's choices rest on now, for the record (``decode eval --batch`` keeps it after each
+        segment, so a run whose adaptive method stopped drafting shows which estimate closed it): per arm index the
+        shared acceptance counts [accepted, rejections], a module forward's seconds per number of drafting rows, per
+        (B, kind) the cost correction (median, rounds), a round's own seconds per row per kind, and a full-information
+        policy's feedback seconds per row. Each of them is refreshed only by rounds of the kind it prices."""
+        return {"acceptance": {str(a): list(c) for a, c in self.acceptance.shared.items()},
+                "module_seconds": {str(n): s for n, s in self.module_seconds.items()},
+                "calibration": {f"{B}/{k}": [statistics.median(d), len(d)] for (B, k), d in self._calibration.items()
+                                if d},
+                "row_overhead": self.row_overhead, "counterfactual_seconds": self.counterfactual_seconds()}
+
     def counterfactual_seconds(self) -> float:
         """Seconds of a full-information policy's feedback per row that drafts counterfactually: the proposals of
         every scorable arm, their scoring, the settling of the rounds before (over the last WORK_WINDOW rounds that

@@ -210,6 +210,8 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
                     for name, (rows, seconds) in results.items():
                         rec = {"B": B, "segment": si, "pass": si // per_pass, "method": name, "seconds": seconds,
                                "rows": [{"prompt_id": prompts[i].id, **r} for i, r in zip(seg, rows)]}
+                        if name in engines:  # what its choices rested on at the segment's end
+                            rec["estimates"] = engines[name].estimates()
                         log.append(rec)
                         records.append(rec)
                         tps = sum(len(r["token_ids"]) for r in rows) / seconds
