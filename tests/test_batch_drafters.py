@@ -530,3 +530,38 @@ def test_the_serial_engine_reuses_a_cached_prompt_prefix_and_drafts_as_without(m
         assert [(r.drafted, r.accepted) for r in got.rounds] == [(r.drafted, r.accepted) for r in want.rounds], p
         # the head read the features a prefill of the whole prompt gives (float64: summation order only)
         assert torch.allclose(cached.arms[0].feats, plain.arms[0].feats, rtol=0, atol=1e-9), p
+
+
+def test_a_backlogs_catch_up_is_not_counted_as_the_modules_drafting_cost(model, monkeypatch):
+    """A row that drafted otherwise for a while (here: no draft) has a backlog of entries the module has not read; the
+    catch-up that feeds them pays off those rounds, one-off work like a first feed. Counted as a module forward's
+    cost it made the module dearer the longer rows had not drafted with it, so they drafted with it less and the
+    backlogs grew. With catch-ups wider than BACKLOG made to take 1 s, the estimate stays at the forwards' own time."""
+    import time
+    from decode.choose.arms.batched import BACKLOG
+    eng = _engine(model, _module(model, "eagle3"), length="cost")
+    eng._steps = lambda context, modules, **_: (lambda w, n=None: 1.0 + 0.01 * (w - 1))  # drafting pays
+    drafter_cls = type(eng._drafter(eng.make_arms()[0]))
+    forward, widths = drafter_cls._forward, []
+
+    def slow(self, ids, extra, pos, valid):
+        widths.append(ids.shape[1])
+        if ids.shape[1] > BACKLOG:
+            time.sleep(1.0)
+        return forward(self, ids, extra, pos, valid)
+    monkeypatch.setattr(drafter_cls, "_forward", slow)
+    rid = eng.add(PROMPTS[0], 40, policy=build_policy("fixed:arm=0", 3, 4))
+    eng.step()  # drafts with the module: its prompt fed alone
+    row = eng.rows[0]
+    row.policy = build_policy("fixed:arm=2", 3, 4)  # none: one token a round, each waiting for the module
+    for _ in range(BACKLOG + 2):
+        eng.step()
+    row.policy = build_policy("fixed:arm=0", 3, 4)
+    done = {}
+    while eng.rows:
+        done.update({r.rid: r for r in eng.step()})
+    assert max(widths) > BACKLOG  # the backlog was caught up in one forward
+    assert done[rid].tokens == plain_greedy(model, PROMPTS[0], 40)
+    d = next(iter(eng.drafters.values()))
+    assert d.fed_seconds >= 1.0
+    assert eng.module_seconds and max(eng.module_seconds.values()) < 0.03  # (with the backlog: > 0.05)

@@ -710,8 +710,9 @@ class BatchEngine:
         ta, fed = time.perf_counter(), self._fed_seconds()
         self._propose_batched(picks, caps, pieces)
         if module_rows:  # a catch-up forward, then one per draft position (the drafts are on the host: synchronised)
-            # a row's first draft feeds its prompt alone first: one-off work of the row, like a cache's growth, not
-            # what a module's forward costs (it made the next rounds' chains look dearer after every join)
+            # a row's first draft feeds its prompt alone first, and a backlog's catch-up pays off rounds the row drafted
+            # otherwise: one-off work of the row, like a cache's growth, not what a module's forward costs (it made the
+            # next rounds' chains look dearer after every join, and the head dearer the longer it had been idle)
             joins = self._fed_seconds() - fed
             self._housekeeping += joins
             module_time = time.perf_counter() - ta - joins
@@ -1128,7 +1129,8 @@ class BatchEngine:
         return logits, time.perf_counter() - t, states
 
     def _fed_seconds(self) -> float:
-        """Seconds the drafters have spent feeding rows' prompts alone (``BatchDrafter.fed_seconds``)."""
+        """Seconds the drafters have spent feeding rows' prompts alone and catching up their backlogs
+        (``BatchDrafter.fed_seconds``)."""
         return sum(d.fed_seconds for d in self.drafters.values())
 
     def _free_pieces(self, row: Row, i: int, cap: int) -> list[Draft | None]:

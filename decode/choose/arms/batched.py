@@ -39,6 +39,9 @@ from ...core.row_cache import RowCache
 from ...core.sampling import choose_token
 
 
+BACKLOG = 8  # a catch-up of more pending entries than a round commits: rounds drafted otherwise (``catch_up``)
+
+
 def drafts_batched(arm) -> bool:
     """Whether batched rounds draft ``arm`` through a :class:`BatchDrafter` (else: per row, model-free)."""
     return getattr(arm, "batch_key", None) is not None
@@ -61,7 +64,8 @@ class BatchDrafter:
         # per row, inputs not fed yet: (extra input rows [n, ·] or None, their tokens)
         self.pending: list[list[tuple[torch.Tensor | None, list[int]]]] = []
         self.after: list[torch.Tensor | None] = []  # the module's output after the row's context (None: none yet)
-        self.fed_seconds = 0.0  # spent feeding rows' prompts alone (one-off work per row: not a draft step's cost)
+        # spent feeding rows' prompts alone and catching up backlogs (one-off work per row: not a draft step's cost)
+        self.fed_seconds = 0.0
         for _ in range(rows):
             self.add_row(None, None)
 
@@ -150,13 +154,18 @@ class BatchDrafter:
         """Feed the pending true entries of the rows ``rows`` (those about to draft); each one's output after its
         context. A row with no entry yet (its prompt pending) is fed alone, into its empty cache row: padded in
         with the others, one long prompt would widen every row's block to its length. The rest go in one forward,
-        every other row padding in it; rows not drafting keep their pending entries for a round in which they do."""
+        every other row padding in it; rows not drafting keep their pending entries for a round in which they do.
+        A catch-up wider than BACKLOG entries pays off rounds in which its rows drafted otherwise, one-off work like a
+        prompt's first feed (``fed_seconds``): counted as a module forward's cost it made the module dearer the longer
+        the rows had not drafted with it, so they drafted with it less and its backlogs grew (on the EPYC the router
+        stopped drafting with the head for the rest of a run)."""
         for b in rows:
             if not self.entries[b] and self.pending[b]:
                 self._feed_alone(b)
         inputs = {b: self._inputs(b) for b in rows if self.pending[b]}  # row -> its tokens, what it reads beside
         if not inputs:
             return
+        t = time.perf_counter()
         W = max(len(toks) for toks, _ in inputs.values())
         B = self.rows
         ids = torch.zeros(B, W, dtype=torch.long)
@@ -176,6 +185,9 @@ class BatchDrafter:
             self.after[b] = out[b, len(toks) - 1]
             self.entries[b] += len(toks)
             self.pending[b] = []
+        if W > BACKLOG:
+            synchronize(self.device)
+            self.fed_seconds += time.perf_counter() - t
 
     def _inputs(self, b: int) -> tuple[list[int], torch.Tensor | None]:
         """Row ``b``'s pending entries: their tokens and what the module reads beside them (None: tokens only)."""
