@@ -64,8 +64,8 @@ class BatchDrafter:
         # per row, inputs not fed yet: (extra input rows [n, ·] or None, their tokens)
         self.pending: list[list[tuple[torch.Tensor | None, list[int]]]] = []
         self.after: list[torch.Tensor | None] = []  # the module's output after the row's context (None: none yet)
-        # spent feeding rows' prompts alone and catching up backlogs (one-off work per row: not a draft step's cost)
-        self.fed_seconds = 0.0
+        self.fed_seconds = 0.0  # spent feeding rows' prompts alone (one-off work per row: not a draft step's cost)
+        self.backlog_seconds = 0.0  # spent catching up backlogs (``catch_up``: the round's cost, not a forward's)
         for _ in range(rows):
             self.add_row(None, None)
 
@@ -155,10 +155,10 @@ class BatchDrafter:
         context. A row with no entry yet (its prompt pending) is fed alone, into its empty cache row: padded in
         with the others, one long prompt would widen every row's block to its length. The rest go in one forward,
         every other row padding in it; rows not drafting keep their pending entries for a round in which they do.
-        A catch-up wider than BACKLOG entries pays off rounds in which its rows drafted otherwise, one-off work like a
-        prompt's first feed (``fed_seconds``): counted as a module forward's cost it made the module dearer the longer
-        the rows had not drafted with it, so they drafted with it less and its backlogs grew (on the EPYC the router
-        stopped drafting with the head for the rest of a run)."""
+        A catch-up wider than BACKLOG entries pays off rounds in which its rows drafted otherwise (``backlog_seconds``):
+        counted as a module forward's cost it made the module dearer the longer the rows had not drafted with it, so
+        they drafted with it less and the backlogs grew (on the EPYC the router stopped drafting with the head for the
+        rest of a run); it stays the drafting round's cost, which the round's cost correction reads."""
         for b in rows:
             if not self.entries[b] and self.pending[b]:
                 self._feed_alone(b)
@@ -187,7 +187,7 @@ class BatchDrafter:
             self.pending[b] = []
         if W > BACKLOG:
             synchronize(self.device)
-            self.fed_seconds += time.perf_counter() - t
+            self.backlog_seconds += time.perf_counter() - t
 
     def _inputs(self, b: int) -> tuple[list[int], torch.Tensor | None]:
         """Row ``b``'s pending entries: their tokens and what the module reads beside them (None: tokens only)."""
