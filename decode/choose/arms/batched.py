@@ -157,8 +157,9 @@ class BatchDrafter:
         every other row padding in it; rows not drafting keep their pending entries for a round in which they do.
         A catch-up wider than BACKLOG entries pays off rounds in which its rows drafted otherwise (``backlog_seconds``):
         counted as a module forward's cost it made the module dearer the longer the rows had not drafted with it, so
-        they drafted with it less and the backlogs grew (on the EPYC the router stopped drafting with the head for the
-        rest of a run); it stays the drafting round's cost, which the round's cost correction reads."""
+        they drafted with it less and the backlogs grew (the suspect where, on an EPYC, the router stopped drafting
+        with the head for the rest of a run); it stays the drafting round's cost, which the round's cost correction
+        reads."""
         for b in rows:
             if not self.entries[b] and self.pending[b]:
                 self._feed_alone(b)
