@@ -707,16 +707,17 @@ class BatchEngine:
             pieces = [[p if p is None or len(p) <= cut else _prefix(p, cut) for p in ps] for ps in pieces]
             caps = [min(c, cut) for c in caps]
         module_rows = [b for b, ps in enumerate(pieces) if any(p is None for p in ps) and caps[b]]
-        ta, fed, backlog = time.perf_counter(), self._fed_seconds(), self._backlog_seconds()
+        ta, (fed, backlog) = time.perf_counter(), self._drafter_seconds()
         self._propose_batched(picks, caps, pieces)
         if module_rows:  # a catch-up forward, then one per draft position (the drafts are on the host: synchronised)
             # a row's first draft feeds its prompt alone first: one-off work of the row, like a cache's growth, not
             # what a module's forward costs (it made the next rounds' chains look dearer after every join); a backlog's
             # catch-up (rounds the row drafted otherwise) is not a forward's cost either (the head looked dearer the
             # longer it had been idle), but stays this round's: the drafting rounds' cost correction reads it
-            joins = self._fed_seconds() - fed
+            fed_now, backlog_now = self._drafter_seconds()
+            joins = fed_now - fed
             self._housekeeping += joins
-            module_time = time.perf_counter() - ta - joins - (self._backlog_seconds() - backlog)
+            module_time = time.perf_counter() - ta - joins - (backlog_now - backlog)
             per = module_time / (1 + max(caps[b] for b in module_rows))
             last = self.module_seconds.get(len(module_rows))
             self.module_seconds[len(module_rows)] = per if last is None else 0.8 * last + 0.2 * per
@@ -1129,13 +1130,11 @@ class BatchEngine:
         synchronize(self.device)
         return logits, time.perf_counter() - t, states
 
-    def _fed_seconds(self) -> float:
-        """Seconds the drafters have spent feeding rows' prompts alone (``BatchDrafter.fed_seconds``)."""
-        return sum(d.fed_seconds for d in self.drafters.values())
-
-    def _backlog_seconds(self) -> float:
-        """Seconds the drafters have spent catching up rows' backlogs (``BatchDrafter.backlog_seconds``)."""
-        return sum(d.backlog_seconds for d in self.drafters.values())
+    def _drafter_seconds(self) -> tuple[float, float]:
+        """Seconds the drafters have spent feeding rows' prompts alone and catching up rows' backlogs
+        (``BatchDrafter.fed_seconds``, ``BatchDrafter.backlog_seconds``)."""
+        ds = self.drafters.values()
+        return sum(d.fed_seconds for d in ds), sum(d.backlog_seconds for d in ds)
 
     def _free_pieces(self, row: Row, i: int, cap: int) -> list[Draft | None]:
         """The drafts of arm ``i``'s parts for ``row`` up to ``cap`` tokens (each part up to its own L too): a
