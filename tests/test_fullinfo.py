@@ -193,7 +193,7 @@ def test_cost_aware_router_maximises_expected_tokens_per_step_of_cost():
     """router:cost=true: argmax of E[tokens] / (c(n + 1) + n·d), n = this round's draft length (known for arms that
     proposed) or the preset L, d = the arm's measured drafting cost per token (0 once its draft exists)."""
     curve = {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.9, 5: 2.0}
-    pol = build_policy("router:c=0,prior=0,cost=true", 3, 4)
+    pol = build_policy("router:c=0,prior=0,cost=true,explore=ucb", 3, 4)  # the estimates, not draws, of arm 2
     pol.use_cost(curve.__getitem__, [4, 4, 2])
     feats = {0: (4, 3), 1: (2, 3)}  # arm 2 (neural) proposes only when played
     for _ in range(20):  # tokens per round: arm 0 3 (a draft of 4), arm 1 2 (of 2), arm 2 3 (of 2)
@@ -231,6 +231,39 @@ def test_cost_aware_router_through_the_engine_is_lossless_and_linked_to_the_curv
     assert pol._steps is not None and pol._lengths == [a.L for a in eng.arms] and eng.cost.samples() > 0
     assert eng.round_overhead > 0  # c at the query's context as it grew, plus the rounds' own overhead in steps
     assert pol._steps(3) == pytest.approx(eng.cost.steps(3, len(PROMPTS[-1]) + 30) + eng.round_overhead / eng.step_time)
+
+
+def _unlucky_start(explore: str, rounds: int = 600) -> list[int]:
+    """A router over a scored arm (0: 2 tokens a round, counterfactual every round) and an arm learnt only from its own
+    rounds (1: 3 tokens a round, but 1 in each of its first two rounds); returns the arms it played."""
+    pol = build_policy(f"router:explore={explore},seed=3", 2, 4)
+    played, own = [], 0
+    for _ in range(rounds):
+        arm = pol.select()
+        played.append(arm)
+        if arm == 1:
+            own += 1
+        recs = {0: _rec(0, 2), 1: _rec(1, 1 if own <= 2 else 3)}
+        pol.update(arm, recs[arm])
+        pol.update_full(arm, {0: recs[0], arm: recs[arm]})  # arm 1 is never scored counterfactually
+    return played
+
+
+def test_router_explores_an_arm_it_learns_only_from_its_own_rounds_by_thompson_sampling():
+    """An arm without counterfactual records is valued by a posterior draw: two unlucky first rounds do not lock the
+    better arm out, as the bonus c·sqrt(ln t / (n + 1)) with c = 0.1 does (explore=ucb) after one."""
+    ucb = _unlucky_start("ucb")
+    assert ucb.count(1) == 1  # its first (unlucky) round, then never again
+    ts = _unlucky_start("thompson")
+    assert ts[-100:].count(1) > 90  # found again and kept: the better arm
+    pol = build_policy("router", 2, 4)
+    assert pol.explore == "thompson"  # the default
+    pol.update(0, _rec(0, 2))
+    pol.update_full(0, {0: _rec(0, 2), 1: _rec(1, 3)})
+    assert pol.scored(1) and not pol.scored(0)  # an observation beyond its plays: arm 1 was scored
+    assert pol.value(1) == pol.estimate(1)  # a scored arm keeps the estimate
+    with pytest.raises(UserError, match="explore must be one of thompson, ucb"):
+        build_policy("router:explore=greedy", 2, 4)
 
 
 def test_router_buckets():
