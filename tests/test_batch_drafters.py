@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decode.choose.arms import ArmEnv, build_arm
-from decode.choose.arms.eagle import EagleArm
+from decode.choose.arms.eagle import EagleArm, EagleTreeArm
 from decode.choose.arms.eagle.batched import EagleBatch
 from decode.choose.arms.early_exit import EarlyExitArm
 from decode.choose.arms.model import DrafterModelArm
@@ -22,7 +22,7 @@ from decode.core.attention import our_attention_model
 from decode.core.sampling import SamplingConfig
 from decode.core.vocab import DraftVocab
 from decode.core.verify import Verifier
-from decode.engine.batch import DRAFTING, BatchEngine, check_batch_arm_specs, check_batchable
+from decode.engine.batch import DRAFTING, BatchEngine, _draft_lengths, check_batch_arm_specs, check_batchable
 from helpers import model_costs_only  # noqa: F401  (autouse)
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
@@ -58,16 +58,27 @@ def _neural(model, module, sampling, seed=0, L=3):
     return DrafterModelArm(lm, sampling, L, g, vocab=vocab, label=f"drafter@{L}")
 
 
+def _tree(model, head, sampling, seed=0, L=3):
+    """The head's ``expand=1`` dynamic tree: its greedy chain with each depth's runner-up token (6 nodes at L 3)."""
+    return EagleTreeArm(head, model, sampling, L, nodes=2 * L, topk=2, expand=1,
+                        generator=torch.Generator().manual_seed(seed))
+
+
 def _engine(model, module, sampling=GREEDY, pool=("neural", "pld:L=3", "none"), policy="random", seed=0, **kw):
     env = ArmEnv(model, TinyTokenizer(64), sampling)
     shared = _neural(model, module, sampling, seed)  # one module for every row (what ArmEnv.once gives built arms)
     if isinstance(module, tuple) and module[1] is not None:
         module = (module[0], shared.pruned)
 
-    def make(s):  # "neural" = L 3, "neural@2": another arm of the same module; "union": it + pld + suffix, 6 nodes
+    def make(s):  # "neural" = L 3, "neural@2": another arm of the same module; "union": it + pld + suffix, 6 nodes;
+        # "tree": the head's expand=1 tree (L 3, topk 2: the chain and each depth's runner-up); "tree_union": it + pld
         if s == "union":
             return UnionArm([make("neural"), build_arm("pld:L=2", env), build_arm("suffix:L=3", env)], nodes=6,
                             greedy=sampling.greedy)
+        if s == "tree":
+            return _tree(model, module, sampling, seed)
+        if s == "tree_union":
+            return UnionArm([make("tree"), build_arm("pld:L=2", env)], nodes=8, greedy=sampling.greedy)
         return _neural(model, module, sampling, seed, L=int(s[7:] or 3)) if s.startswith("neural") else build_arm(s, env)
 
     def make_arms():
@@ -176,6 +187,37 @@ def test_union_rows_draft_the_serial_unions_trees_and_stay_lossless(model, monke
         assert any(h.width > 4 for h in eng.history)
     for ctx, cap, draft in seen:
         assert draft.tokens.tolist() == _neural(model, module, GREEDY).propose(ctx, min(3, cap)).tokens.tolist(), ctx
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("pool, length", [(("tree", "pld:L=3", "none"), "fixed"), (("tree", "pld:L=3", "none"), "cost"),
+                                          (("tree_union", "neural", "none"), "fixed")])
+def test_expand_one_trees_draft_batched_as_the_serial_tree_and_rows_stay_lossless(model, monkeypatch, kind, pool,
+                                                                                   length):
+    """An EAGLE tree that expands one node a depth (the chain and its runner-ups) drafts with the head's other rows:
+    the tree is the serial arm's from the same context (tokens and shape), alone or in a union, and rows stay their
+    plain greedy decoding (length=cost: 2 positions pay, so the trees, drafted 2 deep, are cut to their first 2
+    nodes breadth-first)."""
+    head = _module(model, kind)
+    seen = _spy(monkeypatch)
+    eng = _engine(model, head, pool=pool, policy="ucbspec" if length == "cost" else "random", length=length)
+    if length == "cost":  # up to 2 draft positions cost what 1 does, more cost 10 (a tiny model's own costs are noise)
+        eng._steps = lambda context, modules, **_: (lambda w, n=None: 1.0 if w <= 3 else 10.0)
+    rows = eng.generate(PROMPTS, 20, max_batch=4)
+    for p, r in zip(PROMPTS, rows):
+        assert r.tokens == plain_greedy(model, p, 20), p
+    assert len(eng.drafters) == 1  # the tree and the chain (tree_union's pool) share the head's drafter
+    trees = [s for s in seen if s[2].is_tree]
+    assert len(trees) > 5 and any(len(s[2]) == (4 if length == "cost" else 6) for s in trees)
+    assert any(rec.arm == 0 and rec.accepted for r in rows for rec in r.rounds)
+    if length == "cost":  # every draft cut to 2 positions, trees 4 nodes wide among them
+        assert max(max(h.drafted) for h in eng.history) == 2
+    for ctx, cap, draft in seen:
+        serial = _tree(model, head, GREEDY).propose(ctx, min(3, cap))
+        assert draft.tokens.tolist() == serial.tokens.tolist(), ctx
+        assert (draft.parents is None) == (serial.parents is None), ctx  # None: an empty draft
+        if draft.parents is not None:
+            assert draft.parents.tolist() == serial.parents.tolist(), ctx
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "drafter-vocab"])
@@ -315,7 +357,13 @@ def test_modules_load_once_per_env_and_what_cannot_batch_is_refused(tmp_path, ti
     check_batchable([a, c, e, build_arm("pld:L=2", env)])
     check_batch_arm_specs([f"early_exit:path={tmp_path / 'x'}"])
     check_batch_arm_specs([f"eagle:path={tmp_path / 'h'},L=2", "suffix:L=3", f"drafter:path={tiny_target_dir}"])
+    tree = f"eagle:path={tmp_path / 'h'},L=3,tree=dynamic,topk=2,expand=1"  # the chain and its runner-ups batch
+    check_batch_arm_specs([tree, f"union:arms={tree.replace(',', ':')}+pld:L=4,nodes=10"])
+    check_batchable([build_arm(tree, env)])
+    assert _draft_lengths(build_arm(tree, env), 2) == (2, 2)  # two nodes a depth: counted as two chains
+    assert _draft_lengths(build_arm(f"union:arms={tree.replace(',', ':')}+pld:L=4", env), 4) == (3, 3, 4)
     for spec in (f"eagle:path={tmp_path / 'h'},tree=dynamic", f"eagle:path={tmp_path / 'h'},K=2",
+                 f"eagle:path={tmp_path / 'h'},tree=dynamic,expand=2",
                  f"eagle:path={tmp_path / 'h'},counterfactual=true", f"drafter:path={tiny_target_dir},K=2"):
         with pytest.raises(UserError, match="chains of EAGLE heads, drafter models and early-exit layers"):
             check_batch_arm_specs([spec])

@@ -166,9 +166,9 @@ def scheduled_length(schedule: list[tuple[int, int | None, int]], B: int) -> int
 
 def _not_batchable(what: str) -> UserError:
     return UserError(f"batched rounds take model-free arms ({', '.join(sorted(MODEL_FREE))}), chains of EAGLE "
-                     f"heads, drafter models and early-exit layers (eagle without tree=, K= or counterfactual=true; "
-                     f"drafter without K=) and unions of those; {what} drafts serially only (EAGLE trees and K "
-                     f"sampled chains do)")
+                     f"heads, drafter models and early-exit layers (eagle without K= or counterfactual=true, and "
+                     f"with tree=dynamic only with expand=1; drafter without K=) and unions of those; {what} drafts "
+                     f"serially only (EAGLE trees that expand more than one node a depth and K sampled chains do)")
 
 
 def check_batchable(arms: list[Arm]) -> None:
@@ -203,9 +203,10 @@ def check_batch_arm_specs(specs: list[str]) -> None:
             except UserError as exc:
                 raise UserError(f"--arms {spec}: a union batches when each of its arms does; {exc}") from None
             continue
-        if name in ("eagle", "drafter", "early_exit"):  # chains: no tree, one chain, no counterfactual drafts
-            typed = ARMS.check(name, spec, 1, params)
-            if typed.get("tree", "chain") == "chain" and typed.get("K", 1) == 1 and not typed.get("counterfactual"):
+        if name in ("eagle", "drafter", "early_exit"):  # chains (or a chain with its runner-ups: an EAGLE
+            typed = ARMS.check(name, spec, 1, params)    # expand=1 tree), one chain, no counterfactual drafts
+            chain = typed.get("tree", "chain") == "chain" or typed.get("expand") == 1
+            if chain and typed.get("K", 1) == 1 and not typed.get("counterfactual"):
                 continue
         raise UserError(f"--arms {spec}: {_not_batchable(name)}. Pass e.g. --arms 'pld:L=4;suffix:L=6'")
 
@@ -372,12 +373,14 @@ Lengths = int | tuple[int, ...]  # a row's draft: a chain of n tokens, or the le
 
 def _draft_lengths(arm: Arm, cap: int, pieces: list[Draft | None] | None = None) -> Lengths:
     """What the row's arm drafts up to ``cap`` tokens, for the joint length: a chain's length (its cap, or the
-    length of a model-free draft already made), a union's per part (a tuple: :func:`tree_depth`); ``pieces``: the
-    parts' drafts where made (None for a part a module drafts later)."""
+    length of a model-free draft already made), a union's per part (a tuple: :func:`tree_depth`); a module's tree
+    along its chain (an EAGLE ``expand=1`` tree: ``width`` nodes a depth) as that many chains, whose levels hold as
+    many nodes; ``pieces``: the parts' drafts where made (None for a part a module drafts later)."""
     if not cap:
         return 0
     pieces = pieces or [None] * len(arm.parts)
-    lengths = tuple(min(part.L, cap) if p is None else len(p) for p, part in zip(pieces, arm.parts))
+    lengths = tuple(n for p, part in zip(pieces, arm.parts)
+                    for n in ([min(part.L, cap)] * getattr(part, "width", 1) if p is None else [len(p)]))
     return lengths[0] if len(lengths) == 1 else lengths
 
 
@@ -722,6 +725,8 @@ class BatchEngine:
             last = self.module_seconds.get(len(module_rows))
             self.module_seconds[len(module_rows)] = per if last is None else 0.8 * last + 0.2 * per
         drafts = [r.arms[i].combine(ps, cut) for r, i, ps in zip(self.rows, picks, pieces)]
+        if cut is not None:  # a module's tree (its chain's runner-ups) holds more positions than its depth
+            drafts = [d if len(d) <= cut else _prefix(d, cut) for d in drafts]
         lens = [1 + len(d) for d in drafts]
         W = max(lens)
         B = len(self.rows)

@@ -36,7 +36,7 @@ from ...common.device import synchronize
 from ...core import ragged
 from ...core.draft import Draft
 from ...core.row_cache import RowCache
-from ...core.sampling import choose_token
+from ...core.sampling import choose_token, probs
 
 
 BACKLOG = 8  # a catch-up of more pending entries than a round commits: rounds drafted otherwise (``catch_up``)
@@ -217,7 +217,9 @@ class BatchDrafter:
     def propose(self, rows: list[int], caps: list[int], arms: list) -> list[Draft]:
         """Chains of up to ``caps[k]`` tokens for the rows ``rows[k]``, each drafted under its arm's sampling and
         generator; a row with nothing to draft from yet gets an empty draft. Nothing runs when every cap is 0 (the
-        pending entries wait for a round that drafts)."""
+        pending entries wait for a round that drafts). An arm that grows a tree along its chain (``chain_tree``:
+        an EAGLE ``expand=1`` tree, the chain with each depth's runner-up tokens) gets that tree, ``caps[k]`` deep:
+        its chain's tokens are the tree's, fed as a chain's are."""
         drafts = [Draft.empty() for _ in rows]
         if not any(caps):
             return drafts
@@ -226,6 +228,7 @@ class BatchDrafter:
         if not live:
             return drafts
         out = torch.stack([self.after[rows[k]] for k in live])  # what each live row drafts its next token from
+        grown = {k: t for k in live if (t := getattr(arms[k], "chain_tree", lambda: None)()) is not None}
         tokens: dict[int, list[int]] = {k: [] for k in live}
         dists: dict[int, list[torch.Tensor]] = {k: [] for k in live}
         hidden: dict[int, list[torch.Tensor]] = {k: [] for k in live}
@@ -249,6 +252,9 @@ class BatchDrafter:
             logits = self._logits(out[going]).float()
             for j, row_logits in zip(going, logits):
                 k = live[j]
+                if k in grown:
+                    tokens[k].append(grown[k].grow(probs(row_logits, arms[k].sampling)))
+                    continue
                 tok, dist = choose_token(row_logits, arms[k].sampling, arms[k].generator)
                 tokens[k].append(int(tok))
                 dists[k].append(dist)
@@ -256,5 +262,6 @@ class BatchDrafter:
         self.cache.forget(start)  # the draft positions' entries were built from drafted inputs
         self.cache.tidy(self.compact_slack)
         for k in live:
-            drafts[k] = Draft(torch.tensor(tokens[k]), q=torch.stack(dists[k]), hidden=torch.stack(hidden[k]))
+            drafts[k] = grown[k].draft() if k in grown else Draft(torch.tensor(tokens[k]), q=torch.stack(dists[k]),
+                                                                    hidden=torch.stack(hidden[k]))
         return drafts

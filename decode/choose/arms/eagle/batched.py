@@ -6,7 +6,9 @@ output predicts the feature after the prompt); after every round the target's fe
 produced the row's new tokens wait as pending entries; a draft step feeds the head's own output back with the
 token drafted from it (EAGLE-1: the predicted feature; EAGLE-3: the recurrent state h).
 
-Not batched (the engine refuses them with a clear error): EAGLE trees and K sampled chains (tree.py), and
+An ``expand=1`` tree (tree.py: the chain with each depth's runner-up tokens) drafts here too: its chain is fed as
+a chain's, and the runner-ups of each depth come from the same head row (``ChainTree``). Not batched (the engine
+refuses them with a clear error): trees that expand more than one node a depth and K sampled chains (tree.py), and
 ``counterfactual=true`` (the serial arm's unplayed drafts for the router).
 """
 from __future__ import annotations

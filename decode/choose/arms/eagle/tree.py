@@ -81,6 +81,22 @@ class EagleTreeArm(_EagleTreeBase):
         """The head's distribution over target ids after the shared logits processing ([n, V])."""
         return probs(self.head.draft_logits(feats).float(), self.sampling)
 
+    @property
+    def width(self) -> int:
+        """Nodes a depth of an ``expand=1`` tree holds (the chain's and its runner-ups): a batched round's cost model
+        counts such a tree as that many chains (decode/engine/batch.py ``_draft_lengths``)."""
+        return self.topk if self.expand == 1 else 1
+
+    def chain_tree(self) -> "ChainTree | None":
+        """A tree to grow along the greedy chain, one head distribution per depth, where the tree is one (``expand=1``):
+        how a batched engine's drafter drafts it (decode/choose/arms/batched.py); None otherwise."""
+        return ChainTree(self.topk, self.nodes) if self.expand == 1 else None
+
+    @property
+    def batch_key(self):
+        """``expand=1`` trees draft in batched rounds like chains (one head row per depth: :meth:`chain_tree`)."""
+        return ("eagle", id(self.head)) if self.expand == 1 else None
+
     @torch.inference_mode()
     def propose(self, context, max_len, keep_going=None) -> Draft:
         """The tree's top ``nodes`` nodes by value; with a controller that budgets nodes (``--length cost``:
@@ -90,48 +106,88 @@ class EagleTreeArm(_EagleTreeBase):
         if f is None:
             return Draft.empty()
         prefix = self.cache.length
-        tok, par, val, dep = [], [], [], []  # every node made: token, parent, value, depth
+        tree = TreeNodes()
         fed: list[int] = []  # nodes fed to the head, in feed order; their parents among fed nodes:
         fed_par: list[int] = []
         out_feat: dict[int, torch.Tensor] = {}  # fed node -> the head's predicted feature after it
-
-        def add_children(parent: int, dist: torch.Tensor):
-            top = torch.topk(dist, min(self.topk, dist.shape[-1]))
-            base = 1.0 if parent < 0 else val[parent]
-            for p, t in zip(top.values.tolist(), top.indices.tolist()):
-                if p > 0:  # a token the processed distribution excludes (top-k/top-p) is never drafted
-                    tok.append(t)
-                    par.append(parent)
-                    val.append(base * p)
-                    dep.append(1 if parent < 0 else dep[parent] + 1)
-
-        add_children(-1, self._confidence(f.unsqueeze(0))[0])
-        layer = list(range(len(tok)))
+        layer = list(tree.add_children(-1, self._confidence(f.unsqueeze(0))[0], self.topk))
         for _ in range(1, L):
-            expand = sorted(layer, key=lambda n: -val[n])[:self.expand]
+            expand = sorted(layer, key=lambda n: -tree.val[n])[:self.expand]
             if not expand:
                 break
             slot = {n: i for i, n in enumerate(fed)}
-            feats = torch.stack([f if par[n] < 0 else out_feat[par[n]] for n in expand])
-            fed_par += [-1 if par[n] < 0 else slot[par[n]] for n in expand]
+            feats = torch.stack([f if tree.par[n] < 0 else out_feat[tree.par[n]] for n in expand])
+            fed_par += [-1 if tree.par[n] < 0 else slot[tree.par[n]] for n in expand]
             fed += expand
-            pred = self._step_tree(feats, [tok[n] for n in expand], fed_par, prefix)
+            pred = self._step_tree(feats, [tree.tok[n] for n in expand], fed_par, prefix)
             dists = self._confidence(pred)
             layer = []
             for n, feat, dist in zip(expand, pred, dists):
                 out_feat[n] = feat
-                first = len(tok)
-                add_children(n, dist)
-                layer += range(first, len(tok))
+                layer += tree.add_children(n, dist, self.topk)
         self.cache.crop(self.entries)  # drop the tree's entries (built from predicted features)
-        keep = sorted(range(len(tok)), key=lambda n: (-val[n], n))[:self.nodes]
+        keep = tree.ranked(self.nodes)
         budget = getattr(keep_going, "node_budget", None)
         if budget is not None and keep:  # a prefix of the ranking is a tree (a child never outranks its parent)
-            keep = keep[:budget([val[n] for n in keep], time.perf_counter() - t0)]
-        order = sorted(keep, key=lambda n: (dep[n], -val[n], n))
+            keep = keep[:budget([tree.val[n] for n in keep], time.perf_counter() - t0)]
+        return tree.draft(keep)
+
+
+class TreeNodes:
+    """Every node a dynamic tree made: its token, parent (-1: a root child), value (the product of the head's
+    confidences along its path) and depth."""
+
+    def __init__(self):
+        self.tok: list[int] = []
+        self.par: list[int] = []
+        self.val: list[float] = []
+        self.dep: list[int] = []
+
+    def add_children(self, parent: int, dist: torch.Tensor, topk: int) -> range:
+        """The ``topk`` most likely tokens of ``dist`` as children of ``parent``; returns the new nodes."""
+        top = torch.topk(dist, min(topk, dist.shape[-1]))
+        base = 1.0 if parent < 0 else self.val[parent]
+        first = len(self.tok)
+        for p, t in zip(top.values.tolist(), top.indices.tolist()):
+            if p > 0:  # a token the processed distribution excludes (top-k/top-p) is never drafted
+                self.tok.append(t)
+                self.par.append(parent)
+                self.val.append(base * p)
+                self.dep.append(1 if parent < 0 else self.dep[parent] + 1)
+        return range(first, len(self.tok))
+
+    def ranked(self, nodes: int) -> list[int]:
+        """The ``nodes`` most valuable nodes, best first (a prefix of the ranking is a tree)."""
+        return sorted(range(len(self.tok)), key=lambda n: (-self.val[n], n))[:nodes]
+
+    def draft(self, keep: list[int]) -> Draft:
+        """The nodes ``keep`` as a draft: numbered breadth-first, siblings by value."""
+        order = sorted(keep, key=lambda n: (self.dep[n], -self.val[n], n))
         new = {n: i for i, n in enumerate(order)}
-        return Draft(torch.tensor([tok[n] for n in order], dtype=torch.long),
-                     parents=torch.tensor([-1 if par[n] < 0 else new[par[n]] for n in order], dtype=torch.long))
+        return Draft(torch.tensor([self.tok[n] for n in order], dtype=torch.long),
+                     parents=torch.tensor([-1 if self.par[n] < 0 else new[self.par[n]] for n in order],
+                                          dtype=torch.long))
+
+
+class ChainTree:
+    """An ``expand=1`` dynamic tree grown one depth at a time from the head's distributions along its greedy chain
+    (``grow``: the chain's next token, to feed the head), then cut to its ``nodes`` most valuable nodes: the draft
+    :meth:`EagleTreeArm.propose` makes for the same distributions (the one node it expands per depth is the newest
+    layer's most valuable, the chain's next token)."""
+
+    def __init__(self, topk: int, nodes: int):
+        self.topk, self.nodes = topk, nodes
+        self.tree = TreeNodes()
+        self.parent = -1
+
+    def grow(self, dist: torch.Tensor) -> int:
+        """Add the children of the chain's last node from its distribution ``dist``; returns the chain's next token."""
+        new = self.tree.add_children(self.parent, dist, self.topk)
+        self.parent = min(new, key=lambda n: (-self.tree.val[n], n))
+        return self.tree.tok[self.parent]
+
+    def draft(self) -> Draft:
+        return self.tree.draft(self.tree.ranked(self.nodes))
 
 
 class EagleChainsArm(_EagleTreeBase):
