@@ -74,8 +74,9 @@ the block part of the row's attention mask), and the row keeps the slots of its 
 per-row mask, so any slots can be kept). With ``length="cost"`` a union's tree is cut to its first K nodes
 breadth-first (the block's K positions), and K is chosen on the depth those nodes reach (:func:`tree_depth`: its
 chains' lengths, the depth they reach when no two share a node), since its acceptance is learnt per level of
-its trees. Arms that draft serially only (EAGLE trees, K sampled chains) are refused with a clear error
-(:func:`check_batchable`).
+its trees. An EAGLE ``expand=1`` tree (the chain with each depth's runner-ups) drafts as its chain does, alone or in
+a union, counted as ``topk`` chains and cut the same way. Arms that draft serially only (other EAGLE trees, K
+sampled chains) are refused with a clear error (:func:`check_batchable`).
 """
 from __future__ import annotations
 
