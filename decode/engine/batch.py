@@ -381,7 +381,7 @@ def _draft_lengths(arm: Arm, cap: int, pieces: list[Draft | None] | None = None)
         return 0
     pieces = pieces or [None] * len(arm.parts)
     lengths = tuple(n for p, part in zip(pieces, arm.parts)
-                    for n in ([min(part.L, cap)] * getattr(part, "width", 1) if p is None else [len(p)]))
+                    for n in ([min(part.L, cap)] * part.width if p is None else [len(p)]))
     return lengths[0] if len(lengths) == 1 else lengths
 
 

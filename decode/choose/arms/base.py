@@ -70,6 +70,7 @@ class Arm:
     # counterfactual=true: the catch-up head forward it owes anyway, then L-1 head steps): scored in greedy runs
     greedy_counterfactual: bool = False
     last_match: int = 0  # length of the context match behind the last draft (a routing feature; 0 = none)
+    width: int = 1  # nodes a depth of its draft holds, for a batched round's cost model (an EAGLE expand=1 tree: topk)
 
     def __init__(self, L: int):
         if L < 0:
@@ -101,6 +102,11 @@ class Arm:
         """The arms that draft for this one: itself; a union's sub-arms (what packing reaches, what batched rounds
         draft one by one and then :meth:`combine`)."""
         return (self,)
+
+    def chain_tree(self):
+        """What a batched drafter grows along this arm's chain instead of the chain itself (an EAGLE ``expand=1``
+        tree's ``ChainTree``, decode/choose/arms/eagle/tree.py); None: the chain."""
+        return None
 
     def combine(self, drafts: list[Draft], max_nodes: int | None = None) -> Draft:
         """This arm's draft from its :attr:`parts`' drafts (one each, in order): a single part's as it is.

@@ -228,7 +228,7 @@ class BatchDrafter:
         if not live:
             return drafts
         out = torch.stack([self.after[rows[k]] for k in live])  # what each live row drafts its next token from
-        grown = {k: t for k in live if (t := getattr(arms[k], "chain_tree", lambda: None)()) is not None}
+        grown = {k: t for k in live if (t := arms[k].chain_tree()) is not None}
         tokens: dict[int, list[int]] = {k: [] for k in live}
         dists: dict[int, list[torch.Tensor]] = {k: [] for k in live}
         hidden: dict[int, list[torch.Tensor]] = {k: [] for k in live}
