@@ -70,6 +70,15 @@ class Draft:
     def empty() -> "Draft":
         return Draft(torch.empty(0, dtype=torch.long))
 
+    def prefix(self, k: int) -> "Draft":
+        """A chain's first ``k`` tokens (what a deterministic arm proposes with ``max_len = k``); a tree's first
+        ``k`` nodes (a tree still: nodes come after their parents); the draft itself when it holds at most ``k``."""
+        if len(self) <= k:
+            return self
+        return Draft(self.tokens[:k], None if self.q is None else self.q[:k],
+                     None if self.hidden is None else self.hidden[:k],
+                     parents=None if self.parents is None else self.parents[:k])
+
 
 @dataclass
 class Outcome:

@@ -351,14 +351,6 @@ def fill_holes(n: int, leaving: set[int]) -> list[int]:
     return order
 
 
-def _prefix(draft: Draft, k: int) -> Draft:
-    """A chain draft's first ``k`` tokens (what the arm proposes with ``max_len = k``, for deterministic arms); a
-    tree's first ``k`` nodes (a tree still: nodes come after their parents)."""
-    return Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k],
-                 None if draft.hidden is None else draft.hidden[:k],
-                 parents=None if draft.parents is None else draft.parents[:k])
-
-
 def _drafts_with_module(row: Row, arm: int) -> bool:
     """Whether the row's arm ``arm`` (or a part of it, in a union) drafts with a batch drafter's module."""
     return any((arm, j) in row.drafters for j in range(len(row.arms[arm].parts)))
@@ -708,7 +700,7 @@ class BatchEngine:
             # to K positions (a tree to its first K nodes, breadth-first)
             would = [_draft_lengths(r.arms[i], c, ps) for r, i, ps, c in zip(self.rows, picks, pieces, caps)]
             cut = joint_length(alphas, would, steps)
-            pieces = [[p if p is None or len(p) <= cut else _prefix(p, cut) for p in ps] for ps in pieces]
+            pieces = [[p if p is None else p.prefix(cut) for p in ps] for ps in pieces]
             caps = [min(c, cut) for c in caps]
         module_rows = [b for b, ps in enumerate(pieces) if any(p is None for p in ps) and caps[b]]
         ta, (fed, backlog) = time.perf_counter(), self._drafter_seconds()
@@ -726,8 +718,6 @@ class BatchEngine:
             last = self.module_seconds.get(len(module_rows))
             self.module_seconds[len(module_rows)] = per if last is None else 0.8 * last + 0.2 * per
         drafts = [r.arms[i].combine(ps, cut) for r, i, ps in zip(self.rows, picks, pieces)]
-        if cut is not None:  # a module's tree (its chain's runner-ups) holds more positions than its depth
-            drafts = [d if len(d) <= cut else _prefix(d, cut) for d in drafts]
         lens = [1 + len(d) for d in drafts]
         W = max(lens)
         B = len(self.rows)

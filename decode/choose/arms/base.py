@@ -110,8 +110,9 @@ class Arm:
 
     def combine(self, drafts: list[Draft], max_nodes: int | None = None) -> Draft:
         """This arm's draft from its :attr:`parts`' drafts (one each, in order): a single part's as it is.
-        ``max_nodes``: a length controller's cut, for arms whose draft is a tree."""
-        return drafts[0]
+        ``max_nodes``: a length controller's cut (a module's tree, drafted as deep as the cut, holds more nodes: an
+        EAGLE ``expand=1`` tree's runner-ups), its first nodes kept."""
+        return drafts[0] if max_nodes is None else drafts[0].prefix(max_nodes)
 
 
 ARMS = Registry("arm")
