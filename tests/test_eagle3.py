@@ -219,6 +219,49 @@ def test_ttt_steps_equal_literal_decoding(fused, layer):
         assert logs["ce" if s == 0 else f"ce@{s}"] == pytest.approx(ce.item(), rel=1e-5, abs=1e-6)
 
 
+def test_unroll_runs_the_targets_lm_head_once_per_batch():
+    """Every step's target logits come from one LM-head pass over the positions some step predicts with a loss
+    (token p+1 a label), whatever the TTT depth: per step it ran once per step over nearly the same positions."""
+    model = tiny_llama(layers=4, seed=3)
+    module = EagleTrainModule(model, _head(model, fused=True, seed=1)).eval()
+    inputs = _batch(T=10, seed=2)
+    inputs["labels"][0, :4] = -100  # a prompt: positions 0..2 predict no label
+    calls = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: calls.append(a[0].shape[0]))
+    try:
+        with torch.no_grad():
+            steps = unroll(module, inputs, 0.0, 3)
+    finally:
+        hook.remove()
+    assert calls == [6]  # positions 3..8 (token 4..9 is a label); position 9 has no next token
+    assert all(s.target_logits is steps[0].target_logits for s in steps)
+    assert [s.rows.tolist() for s in steps] == [list(range(6))] * 3  # each step predicts positions 3..8 too
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_loss_over_a_draft_vocabulary_equals_the_restricted_full_target(fused):
+    """The loss reads the target's logits over the draft vocabulary only (its LM head's rows): the CE and the
+    logged top-1 equal those computed from the full target logits restricted to the subset, at every step."""
+    from decode.core.vocab import DraftVocab
+
+    model = tiny_llama(layers=4, seed=3)
+    V = model.config.vocab_size
+    head = _head(model, fused, seed=1, draft_vocab=DraftVocab(torch.arange(0, V, 3), V))
+    module = EagleTrainModule(model, head).eval()
+    inputs = _batch(T=12, seed=6)
+    section = EagleSection(features="fused" if fused else "final", feature_layers=list(LAYERS) if fused else None,
+                           ttt_steps=3, noise=0.0)
+    with torch.no_grad():
+        _, logs = make_loss(section)(module, inputs)
+        for s, step in enumerate(unroll(module, inputs, 0.0, 3)):  # full-vocabulary logits, as held-out reads
+            p = head.restrict(step.p_logits)
+            q = head.logits(step.pred)
+            ce = -(torch.softmax(p, -1) * torch.log_softmax(q, -1)).sum(-1).mean()
+            top1 = (q.argmax(-1) == p.argmax(-1)).float().mean()
+            assert logs["ce" if s == 0 else f"ce@{s}"] == pytest.approx(ce.item(), rel=1e-5, abs=1e-6)
+            assert logs["top1" if s == 0 else f"top1@{s}"] == pytest.approx(top1.item())
+
+
 def test_ttt_is_padding_invariant_and_its_mask_is_diagonal():
     """Right-padded batches give each sequence what it gets alone (padding keys masked at every step)."""
     model = tiny_llama(layers=4, seed=3)

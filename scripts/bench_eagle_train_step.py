@@ -1,0 +1,97 @@
+"""Seconds of one EAGLE training step (loss + backward, the trainer's own ``make_loss``) on real answers.
+
+    .venv/bin/python scripts/bench_eagle_train_step.py [--head pretrained/smollm2-135m-instruct/eagle]
+        [--rows 4] [--max-length 256] [--ttt 1,3,7] [--reps 5] [--online]
+
+What a CPU training minute buys: the shipped head (warm start, as ``make pretrained`` trains it) on ``--rows``
+shipped answers (pretrained/<target>/answers, round-robin over tasks, prompt + answer cut to ``--max-length``,
+loss on answer tokens), features cached as ``feature_cache.enabled=true`` stores them (``--online``: the frozen
+target runs in every step, as the gpu budget trains). Prints per TTT depth the median step time over ``--reps``
+after one warm-up, and answer tokens trained per second. Run it alone (2 cores); compare code versions by running
+each in one session, interleaved.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def batch_of(rows: list[dict], max_length: int, pad_id: int):
+    """Right-padded input ids / attention mask / labels (-100 on prompt and padding), as the trainer's collator."""
+    import torch
+
+    seqs = [(r["prompt_ids"] + r["response_ids"])[:max_length] for r in rows]
+    T = max(map(len, seqs))
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, (r, s) in enumerate(zip(rows, seqs)):
+        ids[i, :len(s)] = torch.tensor(s)
+        attn[i, :len(s)] = 1
+        labels[i, len(r["prompt_ids"]):len(s)] = ids[i, len(r["prompt_ids"]):len(s)]
+    return {"input_ids": ids, "attention_mask": attn, "labels": labels}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--head", default="pretrained/smollm2-135m-instruct/eagle")
+    p.add_argument("--answers", default="pretrained/smollm2-135m-instruct/answers")
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--ttt", default="1,3,7", help="comma-separated TTT depths (head.ttt_steps)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--online", action="store_true", help="run the target in every step instead of caching features")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from decode.choose.heads import load_head
+    from decode.core.models import load_model
+    from toolkit.answers import load_answers, read_record
+    from toolkit.train.eagle import EagleSection, EagleTrainModule, make_loss, target_hidden_states
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tok = load_model(args.target)
+    head = load_head(args.head, target, expect="eagle").float().train()
+    answers = REPO / args.answers
+    by_task = [load_answers(answers, t) for t in sorted(read_record(answers)["tasks"])]
+    rows = [by_task[i % len(by_task)][i // len(by_task)] for i in range(args.rows)]
+    inputs = batch_of(rows, args.max_length, tok.pad_token_id or 0)
+    if not args.online:
+        feats, final = target_hidden_states(target, inputs, head.target_layers)
+        inputs = {**inputs, "target_hidden": feats, "target_final": final}
+    module = EagleTrainModule(target, head)
+    tokens = int((inputs["labels"] != -100).sum())
+    print(f"{args.rows} rows × ≤ {args.max_length} tokens ({tokens} answer tokens), features "
+          f"{'online' if args.online else 'cached'}, {torch.get_num_threads()} threads")
+    for depth in (int(x) for x in args.ttt.split(",")):
+        section = EagleSection(features="fused" if head.fused else "final", ttt_steps=depth, noise=0.0,
+                               feature_layers=list(head.feature_layers) if head.fused else None,
+                               layer=head.layer, input_norm=head.input_norm, fc_bias=head.fc_bias)
+        loss_fn = make_loss(section)
+        times = []
+        for rep in range(args.reps + 1):
+            head.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            loss, _ = loss_fn(module, inputs)
+            loss.backward()
+            if rep:
+                times.append(time.perf_counter() - t0)
+        s = statistics.median(times)
+        print(f"ttt_steps={depth}: {s * 1000:8.1f} ms/step, {tokens / s:8.0f} answer tokens/s (loss {loss.item():.4f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
