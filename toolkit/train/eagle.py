@@ -226,9 +226,9 @@ def unroll(model: EagleTrainModule, inputs: dict, noise: float, steps: int = 1,
         x = x + (torch.rand_like(x) * 2 - 1) * noise
     g = head.input_features(x)
     slot_attn = attn[:, :-1]
-    # position p is predicted (by slot p-s-1 of step s) with a loss iff token p+1 is a label, whatever the step:
-    # the target's LM head runs once over those positions (per step, 7 TTT steps ran it 7 times over nearly the
-    # same positions; with cached features it was half of a step's arithmetic on a CPU)
+    # position p is predicted (by slot p-s-1 of step s) with a loss iff token p+1 is a label, whatever the step: the
+    # target's LM head runs once over those positions, not once per step (with cached features, 7 steps' passes were
+    # half of a step's arithmetic on a CPU)
     needed = _shift(labels, 1, ids.shape[1], -100) != -100
     needed[:, 0] = False  # no step predicts position 0
     row_of = torch.full(needed.shape, -1, dtype=torch.long, device=ids.device)
@@ -259,9 +259,8 @@ def make_loss(section: EagleSection):
         head = model.head
         total, logs = None, {}
         steps = unroll(model, inputs, section.noise, section.ttt_steps, draft_vocab_only=True)
-        if steps:  # the target's logits over the draft vocabulary and its top draft token, once for every step
-            p_draft = steps[0].target_logits
-            p_top = p_draft.argmax(-1)
+        p_draft = steps[0].target_logits  # the target over the draft vocabulary, and its top token, for every step
+        p_top = p_draft.argmax(-1)
         for s, step in enumerate(steps):
             if step.pred.shape[0] == 0:
                 continue
