@@ -5,8 +5,8 @@
 
 What a CPU training minute buys: the shipped head (warm start, as ``make pretrained`` trains it) on ``--rows``
 shipped answers (pretrained/<target>/answers, round-robin over tasks, prompt + answer cut to ``--max-length``,
-loss on answer tokens), features cached as ``feature_cache.enabled=true`` stores them (``--online``: the frozen
-target runs in every step, as the gpu budget trains). Prints per TTT depth the median step time over ``--reps``
+loss on answer tokens, the trainer's own encoding and collator), features cached as ``feature_cache.enabled=true``
+stores them (``--online``: the frozen target runs in every step, as the gpu budget trains). Prints per TTT depth the median step time over ``--reps``
 after one warm-up, and answer tokens trained per second. Run it alone (2 cores); compare code versions by running
 each in one session, interleaved.
 """
@@ -22,22 +22,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-
-def batch_of(rows: list[dict], max_length: int, pad_id: int):
-    """Right-padded input ids / attention mask / labels (-100 on prompt and padding), as the trainer's collator."""
-    import torch
-
-    seqs = [(r["prompt_ids"] + r["response_ids"])[:max_length] for r in rows]
-    T = max(map(len, seqs))
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    labels = torch.full_like(ids, -100)
-    for i, (r, s) in enumerate(zip(rows, seqs)):
-        ids[i, :len(s)] = torch.tensor(s)
-        attn[i, :len(s)] = 1
-        labels[i, len(r["prompt_ids"]):len(s)] = ids[i, len(r["prompt_ids"]):len(s)]
-    return {"input_ids": ids, "attention_mask": attn, "labels": labels}
 
 
 def main(argv=None) -> int:
@@ -58,7 +42,8 @@ def main(argv=None) -> int:
     from decode.choose.heads import load_head
     from decode.core.models import load_model
     from toolkit.answers import load_answers, read_record
-    from toolkit.train.eagle import EagleSection, EagleTrainModule, make_loss, target_hidden_states
+    from toolkit.train.data import collator, encode_example
+    from toolkit.train.eagle import EagleSection, EagleTrainModule, _cached_tensors, make_loss
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -67,10 +52,9 @@ def main(argv=None) -> int:
     answers = REPO / args.answers
     by_task = [load_answers(answers, t) for t in sorted(read_record(answers)["tasks"])]
     rows = [by_task[i % len(by_task)][i // len(by_task)] for i in range(args.rows)]
-    inputs = batch_of(rows, args.max_length, tok.pad_token_id or 0)
-    if not args.online:
-        feats, final = target_hidden_states(target, inputs, head.target_layers)
-        inputs = {**inputs, "target_hidden": feats, "target_final": final}
+    inputs = dict(collator(tok)([encode_example(tok, r, args.max_length) for r in rows]))  # the trainer's batches
+    if not args.online:  # what the feature cache stores and hands the loss
+        inputs.update(_cached_tensors(target, head.target_layers)(inputs))
     module = EagleTrainModule(target, head)
     tokens = int((inputs["labels"] != -100).sum())
     print(f"{args.rows} rows × ≤ {args.max_length} tokens ({tokens} answer tokens), features "
