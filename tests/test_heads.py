@@ -397,6 +397,10 @@ def test_eagle_warm_starts_from_a_trained_head(tiny_distilled, capsys):
     assert torch.equal(src.draft_vocab.d2t, same.draft_vocab.d2t)
     a, b = src.trainable_state_dict(), same.trainable_state_dict()
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-20) for k in a)
+    # the warm start is scored on the same held-out rows before training: unchanged weights, the same figures
+    report = json.loads((d / "warm_lr0" / "eval.json").read_text())
+    assert report["heldout_init"]["positions"] > 0 and report["heldout_init"] == report["heldout"]
+    assert "heldout_init" not in json.loads((d / "warm_src" / "eval.json").read_text())
     assert eagle.main(quick + [f"out_dir={d}/warm_lr", f"head.init_from={d}/warm_src", "train.lr=0.05"]) == 0
     moved = load_head(d / "warm_lr", target).trainable_state_dict()
     assert any(not torch.equal(a[k], moved[k]) for k in a)

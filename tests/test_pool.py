@@ -69,22 +69,26 @@ def test_every_stage_command_sets_each_key_once(name, tmp_path):
         keys = [a.split("=", 1)[0] for a in argv if "=" in a and not a.startswith("-")]
         assert len(keys) == len(set(keys)), argv
     eagle = dict(plan("t", "medium", tmp_path, SUITE))["train:eagle"]
-    assert "open_text.fraction=0.9" in eagle and "open_text.fraction=0.95" not in eagle
+    assert "open_text.fraction=0.3" in eagle and "open_text.fraction=0.95" not in eagle
 
 
-def test_gpu_budget_warm_starts_only_from_a_shipped_head_of_its_layout(tmp_path, monkeypatch):
+@pytest.mark.parametrize("budget", ["gpu", "medium"])
+def test_eagle3_budgets_warm_start_only_from_a_shipped_head_of_their_layout(budget, tmp_path, monkeypatch):
     from toolkit import pool
     monkeypatch.setattr(pool, "REPO_ROOT", tmp_path)
     head = tmp_path / "pretrained" / "t" / "eagle" / "head.json"
 
     def init_from():
-        return [a for a in dict(plan("t", "gpu", tmp_path, SUITE))["train:eagle"] if a.startswith("head.init_from=")]
-    assert init_from() == []  # nothing shipped
+        return [a for a in dict(plan("t", budget, tmp_path, SUITE))["train:eagle"]
+                if a.startswith(("head.init_from=", "train.lr="))]
+    own_lr = {"gpu": ["train.lr=5e-4"], "medium": []}[budget]  # medium: the recipe's lr when it trains from its init
+    assert init_from() == own_lr  # nothing shipped
     head.parent.mkdir(parents=True)
     head.write_text(json.dumps({"kind": "eagle", "init": "identity"}))  # an EAGLE-1 head: not EAGLE-3's layout
-    assert init_from() == []
+    assert init_from() == own_lr
     head.write_text(json.dumps({"kind": "eagle", "layer": "eagle3", "feature_layers": [2, 15, 27]}))
-    assert init_from() == [f"head.init_from={head.parent}"]
+    warm_lr = {"gpu": ["train.lr=5e-4"], "medium": ["train.lr=2e-4"]}[budget]  # medium's batch of 4 fine-tunes slower
+    assert sorted(init_from()) == sorted([f"head.init_from={head.parent}", *warm_lr])
     assert not any(a.startswith("head.init_from=") for a in dict(plan("t", "small", tmp_path, SUITE))["train:eagle"])
 
 
@@ -99,7 +103,7 @@ def test_gpu_budget_trains_on_the_shipped_answers_too(tmp_path, monkeypatch):
     record.parent.mkdir(parents=True)
     assert answers() == []  # a folder without its run record is no answers folder
     record.write_text("{}")
-    assert answers() == [f"data.answers={record.parent}"] and answers("medium") == []
+    assert answers() == answers("medium") == [f"data.answers={record.parent}"] and answers("small") == []
 
 
 def test_gpu_budget_runs_end_to_end_on_cpu_when_shrunk(smol_path, tmp_path, capsys, monkeypatch):

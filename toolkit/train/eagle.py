@@ -398,18 +398,31 @@ def train(recipe: EagleRecipe) -> dict:
         recipe.feature_cache, st.out, st.train, collator(st.tokenizer), _cached_tensors(st.target, head.target_layers),
         {"target": recipe.target, "layers": list(head.target_layers), "max_length": recipe.data.max_length},
         st.place.device, recipe.progress)
-    run = fit(EagleTrainModule(st.target, head), make_loss(recipe.head), train_ds, collate, recipe, st.out, fp, st.place)
+    module = EagleTrainModule(st.target, head)
+    # a warm start is scored on the same held-out rows before training, so the run record says what training added
+    initial = _heldout(module, st, recipe) if warm is not None else None
+    run = fit(module, make_loss(recipe.head), train_ds, collate, recipe, st.out, fp, st.place)
     trained = run.module
     if trained is None:
         return {}
-    with st.place.autocast():
-        heldout = (heldout_agreement(trained, st.heldout, recipe.progress, recipe.head.ttt_steps)
-                   if len(st.heldout) else None)
+    heldout = _heldout(trained, st, recipe)
+    if initial is not None:
+        print(f"held-out first-token agreement: {initial['top1_agreement']:.4f} before training (the warm start), "
+              f"{heldout['top1_agreement']:.4f} after", flush=True)
     return finish(trained.head, recipe, KIND, st.out, run, train_examples=st.train_examples(),
                   trainable_params=count_trainable(trained.head),
                   feature=(f"fused target layers {list(head.feature_layers)}" if head.fused
                            else "post-norm final hidden state (LM-head input)"),
-                  draft_vocab=st.vocab_info(), heldout=heldout)
+                  draft_vocab=st.vocab_info(), heldout=heldout,
+                  **({"heldout_init": initial} if initial is not None else {}))
+
+
+def _heldout(module: EagleTrainModule, st, recipe: EagleRecipe) -> dict | None:
+    """:func:`heldout_agreement` on the run's held-out rows at every trained step (None without held-out rows)."""
+    if not len(st.heldout):
+        return None
+    with st.place.autocast():
+        return heldout_agreement(module, st.heldout, recipe.progress, recipe.head.ttt_steps)
 
 
 def main(argv=None) -> int:
