@@ -232,6 +232,11 @@ def test_sharegpt_open_text_streams_first_turns_and_skips_eval_questions(tmp_pat
     assert [(r["prompt"], r["response"]) for r in rows] == [("What is a monad?", "A monoid in endofunctors."),
                                                             ("Name a prime.", "7")]
     assert len(open_text_rows(sec, 1)) == 1  # streamed: only what the mix asks for
+    # open_text.skip passes over the rows an earlier run read (counted after the same filters)
+    later = OpenTextSection(source="sharegpt", path=str(f), fraction=0.5, leakage_files=[str(dev)], skip=1)
+    assert [r["prompt"] for r in open_text_rows(later, 10)] == ["Name a prime."]
+    with pytest.raises(UserError, match="open_text.skip"):
+        OpenTextSection(skip=-1)
     assert sec.enabled and not OpenTextSection(source="jsonl", fraction=0.5).enabled  # jsonl needs a path
 
 

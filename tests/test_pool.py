@@ -92,6 +92,28 @@ def test_eagle3_budgets_warm_start_only_from_a_shipped_head_of_their_layout(budg
     assert not any(a.startswith("head.init_from=") for a in dict(plan("t", "small", tmp_path, SUITE))["train:eagle"])
 
 
+def test_warm_started_budgets_read_open_text_past_what_the_head_trained_on(tmp_path, monkeypatch):
+    from toolkit import pool
+    monkeypatch.setattr(pool, "REPO_ROOT", tmp_path)
+    head = tmp_path / "pretrained" / "t" / "eagle"
+    head.mkdir(parents=True)
+    (head / "head.json").write_text(json.dumps({"kind": "eagle", "layer": "eagle3"}))
+
+    def skip():
+        return [a for a in dict(plan("t", "medium", tmp_path, SUITE))["train:eagle"] if a.startswith("open_text.skip")]
+    assert skip() == []  # no run record: nothing known to skip
+    record = {"recipe": {"open_text": {"source": "sharegpt", "path": None}}, "train_examples": {"open_text": 2875}}
+    (head / "eval.json").write_text(json.dumps(record))
+    assert skip() == ["open_text.skip=2875"]  # a record from before open_text_read: the rows trained on
+    record["recipe"]["open_text"]["skip"] = 2875
+    record["train_examples"]["open_text_read"] = 3380
+    (head / "eval.json").write_text(json.dumps(record))
+    assert skip() == ["open_text.skip=6255"]  # its own skip + the rows it read
+    record["recipe"]["open_text"]["source"] = "jsonl"  # other text: nothing of ShareGPT was read
+    (head / "eval.json").write_text(json.dumps(record))
+    assert skip() == []
+
+
 def test_gpu_budget_trains_on_the_shipped_answers_too(tmp_path, monkeypatch):
     from toolkit import pool
     monkeypatch.setattr(pool, "REPO_ROOT", tmp_path)

@@ -110,7 +110,8 @@ BUDGETS: dict[str, Budget] = {
                     eagle_overrides=AT_SCALE),
     # sized to finish its distill + EAGLE stages in one ~90-minute CPU session (machines here do not outlive one)
     "medium": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 32, 256, 45, 450, None, 2, 96,
-                     eagle_style="eagle3", warm_start=True, eagle_overrides=MEDIUM_MIX, warm_overrides=("train.lr=2e-4",)),
+                     eagle_style="eagle3", warm_start=True, eagle_overrides=MEDIUM_MIX,
+                     warm_overrides=("train.lr=2e-4",)),
     # one H100, ≤ 10 minutes: distill in float32 (what the CPU target decodes in, and the shipped answers'
     # conditions) — the six tasks at four temperatures plus greedy answers at scale, all twelve at once — then
     # EAGLE-3 with EAGLE-3's 7 TTT steps, warm-started from the shipped head, on the answers + 30% ShareGPT, features
@@ -190,7 +191,8 @@ def plan(target: str, budget_name: str, out: Path, suite: str, device: str | Non
     answers = _shipped_answers(target) if b.warm_start else None
     stages.append(("train:eagle", ["-m", "toolkit", "train", "eagle", *recipe, "--task", task, *common,
                                    f"out_dir={eagle}", "progress=false", *b.eagle_overrides,
-                                   *([f"head.init_from={warm}", *b.warm_overrides] if warm else []),
+                                   *([f"head.init_from={warm}", *b.warm_overrides,
+                                      *_unread_open_text(warm, b.eagle_overrides)] if warm else []),
                                    *([f"data.answers={answers}"] if answers else []),
                                    *([f"train.max_minutes={b.eagle_minutes}"] if b.eagle_minutes else [])]))
     arms = [f"eagle:path={eagle},L={b.L}"]
@@ -221,6 +223,27 @@ def _warm_head(target: str, style: str) -> Path | None:
         return None
     layer = read_head_config(folder).get("layer", "eagle1")
     return folder if (layer == "eagle3") == (style == "eagle3") else None
+
+
+def _unread_open_text(head: Path, overrides: tuple[str, ...]) -> list[str]:
+    """``open_text.skip=N`` past the open text ``head`` trained on (its ``eval.json``: the run's own skip + the rows
+    it read), when this run reads the same source (ShareGPT from the package), so training further meets new text
+    (the rows are streamed in order: without it the medium budget re-read the shipped head's 2,875 conversations
+    and gained nothing). A record from before ``open_text_read`` gives the rows trained on (a few fewer: those
+    tokenising dropped are read again, and dropped again). No record or another source: nothing to skip."""
+    mine = dict(o.split("=", 1) for o in overrides if o.startswith("open_text."))
+    if (mine.get("open_text.source"), mine.get("open_text.path")) != ("sharegpt", "null"):
+        return []
+    try:
+        record = json.loads((head / "eval.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return []
+    seen = record.get("recipe", {}).get("open_text", {})
+    if (seen.get("source"), seen.get("path")) != ("sharegpt", None):
+        return []
+    examples = record.get("train_examples", {})
+    read = examples.get("open_text_read", examples.get("open_text", 0))
+    return [f"open_text.skip={int(seen.get('skip', 0)) + int(read)}"]
 
 
 def _shipped_answers(target: str) -> Path | None:

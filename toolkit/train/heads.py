@@ -55,6 +55,9 @@ class OpenTextSection:
     response_field: str = "answer"
     fraction: float = 0.0  # share of the training examples that are open text
     max_rows: int | None = None  # cap on open-text rows (null = as many as ``fraction`` asks for)
+    # rows of the source passed over first: those a warm-started head already trained on (``toolkit pool`` sets it
+    # from that head's record), so training further reads text the head has not seen
+    skip: int = 0
     leakage_files: list[str] = field(default_factory=lambda: list(DEFAULT_EVAL_FILES))
 
     def __post_init__(self):
@@ -62,6 +65,8 @@ class OpenTextSection:
             raise UserError(f"open_text.fraction must be in [0, 1), got {self.fraction}")
         if self.max_rows is not None and self.max_rows < 0:
             raise UserError(f"open_text.max_rows must be >= 0 or null, got {self.max_rows}")
+        if self.skip < 0:
+            raise UserError(f"open_text.skip must be >= 0 (rows of the source to pass over), got {self.skip}")
 
     @property
     def enabled(self) -> bool:
@@ -158,8 +163,12 @@ def _sharegpt_rows(section: OpenTextSection):
 
 
 def open_text_rows(section: OpenTextSection, want: int) -> list[dict]:
-    """Up to ``want`` open-text rows (prompt, response) in the distilled rows' shape."""
+    """Up to ``want`` open-text rows (prompt, response) in the distilled rows' shape, after the first
+    ``section.skip`` rows of the source."""
+    import itertools
+
     it = _sharegpt_rows(section) if section.source == "sharegpt" else _jsonl_rows(section)
+    it = itertools.islice(it, section.skip, None)
     rows = []
     for prompt, response in it:
         if len(rows) >= want:
@@ -170,19 +179,20 @@ def open_text_rows(section: OpenTextSection, want: int) -> list[dict]:
 
 def with_open_text(distilled, section: OpenTextSection, tokenizer, max_length: int, seed: int):
     """Distilled examples + ``fraction/(1-fraction) × len(distilled)`` open-text rows (at most ``max_rows``)
-    tokenised the same way, shuffled together. Returns (dataset, number of open-text rows)."""
+    tokenised the same way, shuffled together. Returns (dataset, open-text rows trained on, rows read from the
+    source: more when tokenising drops some; ``open_text.skip`` + these is where a later run's reading starts)."""
     from datasets import Dataset, concatenate_datasets
 
     if not section.enabled:
-        return distilled, 0
+        return distilled, 0, 0
     want = round(section.fraction / (1 - section.fraction) * len(distilled))
     if section.max_rows is not None:
         want = min(want, section.max_rows)
     rows = open_text_rows(section, want)
     if not rows:
-        return distilled, 0
+        return distilled, 0, 0
     opened = tokenize_sft(Dataset.from_list(rows), tokenizer, max_length)
-    return concatenate_datasets([distilled, opened]).shuffle(seed=seed), len(opened)
+    return concatenate_datasets([distilled, opened]).shuffle(seed=seed), len(opened), len(rows)
 
 
 @dataclass
@@ -198,10 +208,11 @@ class TextSetup:
     heldout: object
     train: object  # distilled + open text, shuffled
     open_rows: int
+    open_read: int  # open-text rows read from the source (``open_rows`` + those tokenising dropped)
     vocab: object  # decode.core.vocab.DraftVocab or None
 
     def train_examples(self) -> dict:
-        return {"distilled": len(self.distilled), "open_text": self.open_rows}
+        return {"distilled": len(self.distilled), "open_text": self.open_rows, "open_text_read": self.open_read}
 
     def vocab_info(self):
         return None if self.vocab is None else self.vocab.info
@@ -214,9 +225,10 @@ def text_setup(recipe, kind: str, build_vocab: bool = True) -> TextSetup:
     place = head_placement(recipe)
     target, tok = load_frozen_target(recipe.target, place)
     distilled, held = tokenized_splits(recipe, tok)
-    train_ds, n_open = with_open_text(distilled, recipe.open_text, tok, recipe.data.max_length, recipe.train.seed)
+    train_ds, n_open, n_read = with_open_text(distilled, recipe.open_text, tok, recipe.data.max_length,
+                                              recipe.train.seed)
     vocab = build_draft_vocab(recipe.draft_vocab, distilled, tok, target) if build_vocab else None
-    return TextSetup(out, place, target, tok, distilled, held, train_ds, n_open, vocab)
+    return TextSetup(out, place, target, tok, distilled, held, train_ds, n_open, n_read, vocab)
 
 
 def head_fingerprint(recipe: HeadRecipe, kind: str, place: Placement, **parts) -> dict:
