@@ -76,7 +76,7 @@ distill: $(STAMP)
 
 # A drafter pool end to end (toolkit/pool.py): distill → train the pool's arms → runs/pools/<target>-<budget>/pool.yaml
 # → decode eval on the dev suite → report. Rerun to resume (finished stages are skipped).
-#   make pool [TARGET=smollm2-135m-instruct] [BUDGET=small|medium|large]   (small: ≤ 60 min on a 2-core CPU)
+#   make pool [TARGET=smollm2-135m-instruct] [BUDGET=small|medium|large]   (2-core CPU: small ≤ 60 min, medium ≤ 75 min)
 #   make pool BUDGET=gpu DEVICE=cuda   (≤ 10 min on one H100: EAGLE-3, 7 TTT steps, a large ShareGPT mix)
 BUDGET ?= small
 .PHONY: pool

@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "distill": ("toolkit.distill", "self-distillation: the target answers task prompts (datasets on disk)"),
     "train": ("toolkit.train.cli", "train a drafter, EAGLE head, early-exit drafter or calibrator (one plumbing; resumable)"),
     "pool": ("toolkit.pool", "distill → train a pool's arms → pool file → decode eval, resumable "
-             "(budgets: small ≤ 60 min on a CPU, medium, large)"),
+             "(budgets: small ≤ 60 min and medium ≤ 75 min on a CPU, large, gpu)"),
     "train-drafter": ("toolkit.train.drafter", "train a task drafter on distilled data (also: deepspeed scripts/train_drafter.py)"),
     "diagonal": ("toolkit.diagonal", "MetaSD's diagonal: every drafter on every task's held-out distilled split; "
                  "does each task drafter beat the generalist?"),
