@@ -109,7 +109,7 @@ BUDGETS: dict[str, Budget] = {
                    eagle_overrides=("feature_cache.enabled=true",)),
     "small": Budget(("math", "code", "chat"), 16, 256, 15, -1, None, 2, 96, L=2, epochs=5,
                     eagle_overrides=AT_SCALE),
-    # sized to finish its distill + EAGLE stages in one ~90-minute CPU session (machines here do not outlive one)
+    # ≤ 75 minutes end to end on a 2-core CPU (machines here do not outlive a session): MEDIUM_MIX above
     "medium": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 32, 256, 45, 450, None, 2, 96,
                      eagle_style="eagle3", warm_start=True, eagle_overrides=MEDIUM_MIX,
                      warm_overrides=("train.lr=2e-4",)),
@@ -230,8 +230,9 @@ def _unread_open_text(head: Path, overrides: tuple[str, ...]) -> list[str]:
     """``open_text.skip=N`` past the open text ``head`` trained on (its ``eval.json``: the run's own skip + the rows
     it read), when this run reads the same source (ShareGPT from the package), so training further meets new text
     (the rows are streamed in order: without it the medium budget re-read the shipped head's 2,875 conversations
-    and gained nothing). A record from before ``open_text_read`` gives the rows trained on (a few fewer: those
-    tokenising dropped are read again, and dropped again). No record or another source: nothing to skip."""
+    and gained nothing). A record from before ``open_text_read`` gives only the rows trained on, fewer than it read
+    (tokenising drops rows whose prompt fills the length: 13% of ShareGPT's at 512 tokens), so the next run re-reads
+    the last of them. No record or another source: nothing to skip."""
     mine = dict(o.split("=", 1) for o in overrides if o.startswith("open_text."))
     if (mine.get("open_text.source"), mine.get("open_text.path")) != ("sharegpt", "null"):
         return []
