@@ -6,9 +6,9 @@
 What a CPU training minute buys: the shipped head (warm start, as ``make pretrained`` trains it) on ``--rows``
 shipped answers (pretrained/<target>/answers, round-robin over tasks, prompt + answer cut to ``--max-length``,
 loss on answer tokens, the trainer's own encoding and collator), features cached as ``feature_cache.enabled=true``
-stores them (``--online``: the frozen target runs in every step, as the gpu budget trains). Prints per TTT depth the median step time over ``--reps``
-after one warm-up, and answer tokens trained per second. Run it alone (2 cores); compare code versions by running
-each in one session, interleaved.
+stores them (``--online``: the frozen target runs in every step, as the gpu budget trains). Prints per TTT depth
+the median step time over ``--reps`` after one warm-up, and answer tokens trained per second. Run it alone
+(2 cores); compare code versions by running each in one session, interleaved.
 """
 from __future__ import annotations
 

@@ -236,10 +236,13 @@ def _unread_open_text(head: Path, overrides: tuple[str, ...]) -> list[str]:
     mine = dict(o.split("=", 1) for o in overrides if o.startswith("open_text."))
     if (mine.get("open_text.source"), mine.get("open_text.path")) != ("sharegpt", "null"):
         return []
-    try:
-        record = json.loads((head / "eval.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    path = head / "eval.json"
+    if not path.is_file():
         return []
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON ({exc}): restore the head's run record (git checkout it)") from None
     seen = record.get("recipe", {}).get("open_text", {})
     if (seen.get("source"), seen.get("path")) != ("sharegpt", None):
         return []

@@ -398,14 +398,15 @@ def train(recipe: EagleRecipe) -> dict:
         recipe.feature_cache, st.out, st.train, collator(st.tokenizer), _cached_tensors(st.target, head.target_layers),
         {"target": recipe.target, "layers": list(head.target_layers), "max_length": recipe.data.max_length},
         st.place.device, recipe.progress)
-    module = EagleTrainModule(st.target, head)
-    # a warm start is scored on the same held-out rows before training, so the run record says what training added
-    initial = _heldout(module, st, recipe) if warm is not None else None
-    run = fit(module, make_loss(recipe.head), train_ds, collate, recipe, st.out, fp, st.place)
+    run = fit(EagleTrainModule(st.target, head), make_loss(recipe.head), train_ds, collate, recipe, st.out, fp, st.place)
     trained = run.module
     if trained is None:
         return {}
     heldout = _heldout(trained, st, recipe)
+    # the warm start (loaded again: training changed ``head`` in place) scored on the same held-out rows, so the run
+    # record says what training added; here, where only the main process arrives, not on every rank before training
+    initial = None if warm is None else _heldout(
+        EagleTrainModule(st.target, warm_start_head(recipe.head, warm, st.target, n_layers)), st, recipe)
     if initial is not None:
         print(f"held-out first-token agreement: {initial['top1_agreement']:.4f} before training (the warm start), "
               f"{heldout['top1_agreement']:.4f} after", flush=True)

@@ -9,6 +9,7 @@ module), so Trainer checkpoints stay small and never contain tied/shared tensors
 """
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,8 +166,6 @@ def _sharegpt_rows(section: OpenTextSection):
 def open_text_rows(section: OpenTextSection, want: int) -> list[dict]:
     """Up to ``want`` open-text rows (prompt, response) in the distilled rows' shape, after the first
     ``section.skip`` rows of the source."""
-    import itertools
-
     it = _sharegpt_rows(section) if section.source == "sharegpt" else _jsonl_rows(section)
     it = itertools.islice(it, section.skip, None)
     rows = []
