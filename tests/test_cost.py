@@ -224,6 +224,27 @@ def test_engine_with_cost_controller_is_greedy_lossless_and_feeds_the_curve(cach
     assert sum(len(v) for v in ctl.plans.values()) == len(gen.rounds)  # one plan per round of the last query
 
 
+def test_the_engine_probes_the_sizes_its_curve_lacks_before_a_cost_controller_plans(one_thread, monkeypatch):
+    """decode eval's warm-up left rounds of 2 and 5 positions in the curve, never a one-token forward: probing only
+    an empty curve left c(n) without its base (read as n), and the controller drafted one token a round."""
+    import decode.engine.loop as loop
+    calls = []
+    monkeypatch.setattr(loop, "probe", lambda curve, target, ids, sizes, clock=None: (
+        calls.append(list(sizes)), probe(curve, target, ids, sizes, clock=clock)))
+    model = tiny_llama(layers=2, seed=1)
+    env = ArmEnv(model, TinyTokenizer(64), GREEDY, torch.Generator())
+    eng = SpecEngine(Target(model), [build_arm("pld:L=4,n=1", env)], Verifier(GREEDY))
+    for n in (2, 5):
+        eng.cost.observe(n, 10, 0.01)
+    assert eng.cost.steps(3, 10) == 3.0  # no one-token forward: c(n) falls back to n
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
+    for _ in range(2):
+        gen = eng.generate(prompt, build_policy("random", 1, 4), 12, length=build_length("cost"))
+        assert gen.tokens == plain_greedy(model, prompt, 12)
+    assert calls == [[1, 3, 4]]  # the missing sizes, once: the second query finds them measured
+    assert {1, 2, 3, 4, 5} <= eng.cost.sizes() and eng.cost.steps(3, 10) != 3.0
+
+
 def _row(q: float, V: int = 8) -> torch.Tensor:
     """A draft distribution whose top probability is ``q``."""
     row = torch.full((V,), (1 - q) / (V - 1))

@@ -193,9 +193,15 @@ class SpecEngine:
         length.reset()
         if length.uses_cost:
             length.use_cost(self.cost)
-        if (length.uses_cost or policy.uses_cost) and not self.cost.samples():
-            # seed the curve before the first round (then every round refines it)
-            probe(self.cost, self.target, prompt_ids, range(1, self.max_len + 2), clock=self._clock)
+        if length.uses_cost or policy.uses_cost:
+            # seed the curve before the first round with every size a round may score that nothing has measured (then
+            # every round refines it). Probing only an empty curve left it without a one-token forward after decode
+            # eval's warm-up (rounds of 4 and 2 positions): c(n) is read against t(1), so it fell back to n, and the
+            # head drafted 1 token a round through make demo's first two prompts (code and chat) until a round scored
+            # one position
+            missing = [n for n in range(1, self.max_len + 2) if n not in self.cost.sizes()]
+            if missing:
+                probe(self.cost, self.target, prompt_ids, missing, clock=self._clock)
         for arm in self.arms:
             arm.reset(prompt_ids)
         # the most the target cache will hold: every token but the last, plus one round's scored positions
