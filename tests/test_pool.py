@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from decode.engine.pools import load_pool, map_paths
 from toolkit.cli import main
 from toolkit.pool import _with, BUDGETS, STATE, plan
 
@@ -25,7 +26,10 @@ def test_tiny_pool_end_to_end_then_every_stage_is_skipped(tiny_target_dir, tmp_p
     assert all(f"[pool] {n}: skip (finished)" in err for n in names[:2])
     assert all(f"[pool] {n}: run" in err for n in names[2:])
     assert (out / "heads" / "eagle" / "head.json").exists()
-    assert "eagle:path=" in (out / "pool.yaml").read_text()
+    pool = load_pool(out / "pool.yaml")  # the shipped pool's arms and length, each EAGLE arm on the head trained here
+    head = str(out / "heads" / "eagle")
+    assert pool.length == "cost" and [s.replace(head, "H") for s in pool.arms] == [
+        "eagle:path=H,L=3", "pld:L=4", "suffix:L=3", "union:arms=eagle:path=H:L=2+pld:L=4,nodes=6"]
     report = json.loads((out / "eval" / "report.json").read_text())
     assert any(m.startswith("arm:eagle") for m in report["summary"]) and report["summary"]["hf"]
     assert set(json.loads((out / STATE).read_text())["stages"]) == set(names)
@@ -41,6 +45,16 @@ def test_tiny_pool_end_to_end_then_every_stage_is_skipped(tiny_target_dir, tmp_p
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "[pool] eval: run" in err and "[pool] train:eagle: skip (finished)" in err
+    # a remade pool file makes the eval run again, afresh (its records were of the old pool), though its command
+    # is the same
+    state = json.loads((out / STATE).read_text())
+    state["stages"]["pool-file"]["command"] = ["pool-file", "pld:L=2"]
+    (out / STATE).write_text(json.dumps(state))
+    before = (out / "eval" / "records.jsonl").stat().st_mtime_ns
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "[pool] pool-file: run" in err and "[pool] eval: run again (an earlier stage ran)" in err
+    assert (out / "eval" / "records.jsonl").stat().st_mtime_ns > before  # resumed, it would have decoded nothing
 
 
 def test_bad_input_fails_fast_and_dry_run_only_prints(tmp_path, capsys):
@@ -174,3 +188,24 @@ def test_gpu_budget_runs_end_to_end_on_cpu_when_shrunk(smol_path, tmp_path, caps
     assert "[pool] train:eagle: skip (finished)" in err and "[pool] eval: run" in err
     report = json.loads((out / "eval" / "report.json").read_text())
     assert any(m.startswith("arm:eagle") for m in report["summary"])
+
+
+def test_pool_file_is_the_shipped_composition_with_the_trained_head(tmp_path):
+    # every EAGLE arm of recipes/pools/pretrained.yaml (a union's sub-arm too) reads the new head; the rest is kept
+    from toolkit.pool import SHIPPED_POOL
+    shipped = load_pool(SHIPPED_POOL)
+    stage = dict(plan("t", "medium", tmp_path, SUITE))["pool-file"]
+    head = str(tmp_path / "heads" / "eagle3")
+    assert stage[1] == f"length={shipped.length}"
+    want = [map_paths(a, lambda name, path: head if name == "eagle" else path) for a in shipped.arms]
+    assert stage[2:] == want and sum(head in a for a in want) == 2
+    assert not any("pretrained/" in a for a in stage)
+    large = dict(plan("t", "large", tmp_path, SUITE))["pool-file"]  # large adds its early-exit head
+    assert large[-1] == f"early_exit:path={tmp_path / 'heads' / 'early_exit'},L=3"
+
+
+def test_map_paths_reaches_union_sub_arms():
+    spec = "union:arms=eagle:path=a/b:L=2+pld:L=4+drafter:path=c:L=3,nodes=6"
+    assert map_paths(spec, lambda name, path: f"{name}@{path}") == (
+        "union:arms=eagle:path=eagle@a/b:L=2+pld:L=4+drafter:path=drafter@c:L=3,nodes=6")
+    assert map_paths("pld:L=4", lambda name, path: 1 / 0) == "pld:L=4"

@@ -1,6 +1,8 @@
 """``python -m toolkit pool [--target T] [--budget small|medium|large]`` (``make pool``): build a drafter pool for
 a target end to end — distill → train the pool's arms → write the pool file → ``decode eval`` on the dev
-suite → its report — as one resumable command.
+suite → its report — as one resumable command. The pool file holds the shipped pool's arms and draft-length
+controller (``recipes/pools/pretrained.yaml``: the head's chain, prompt lookup, the suffix tree, the head and prompt
+lookup in one tree; ``length: cost``) with every EAGLE arm reading the head trained here.
 
 Every stage is one of the commands a user could type (``python -m toolkit distill``, ``python -m toolkit
 train eagle``, ``python -m decode eval``), run as its own process, so a stage's memory is returned before
@@ -13,7 +15,7 @@ Budgets (what a 2-core CPU finishes in the time stated for the default target; l
 * ``small`` (≤ 60 min on a CPU, what a new user runs first): math/code/chat × 16 prompts at the four
   distillation temperatures; one EAGLE head trained at scale (``AT_SCALE``: those answers + 19× as many
   ShareGPT conversations, target features cached once, an 8192-token draft vocabulary), 15 minutes of
-  training; pool = that head + prompt lookup + suffix; eval on every dev category × 2 prompts, 96 tokens.
+  training; eval on every dev category × 2 prompts, 96 tokens.
 * ``medium`` (≤ 75 min on a CPU): six tasks × 32 prompts (mostly found in the shipped answers); the shipped EAGLE-3
   head trained further on those and every shipped answer + 30% ShareGPT (3 TTT steps, features online, 450 steps,
   ≤ 45 min), scored on the same held-out answers before and after; dev × 2 prompts. Without a shipped head of that
@@ -48,6 +50,7 @@ from decode.core.models import DEFAULT_TARGET
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEV_SUITE = "../shared/data/spec_bench/question_dev.jsonl"
 STATE = "pool_state.json"
+SHIPPED_POOL = REPO_ROOT / "recipes" / "pools" / "pretrained.yaml"  # the arms a built pool holds (shipped_composition)
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ class Budget:
     early_exit_minutes: float | None  # None = no early-exit head in the pool
     eval_limit: int  # prompts per dev category
     eval_tokens: int
-    L: int = 3  # draft length of the trained arms
+    L: int = 3  # draft length of the early-exit arm (the EAGLE arms' are the shipped pool's: shipped_composition)
     epochs: int = 1  # passes over the data when the time budget does not stop training first
     distill_overrides: tuple[str, ...] = ()
     eagle_overrides: tuple[str, ...] = ()  # EAGLE recipe fields (recipes/heads/eagle.yaml) for this budget
@@ -107,7 +110,7 @@ BUDGETS: dict[str, Budget] = {
     # a smoke run keeps every row (a random tiny target's text can trip the degenerate-output filters)
     "tiny": Budget(("math",), 2, 16, None, 2, None, 1, 8, distill_overrides=("filters.rules=[]",),
                    eagle_overrides=("feature_cache.enabled=true",)),
-    "small": Budget(("math", "code", "chat"), 16, 256, 15, -1, None, 2, 96, L=2, epochs=5,
+    "small": Budget(("math", "code", "chat"), 16, 256, 15, -1, None, 2, 96, epochs=5,
                     eagle_overrides=AT_SCALE),
     # ≤ 75 minutes end to end on a 2-core CPU (machines here do not outlive a session): MEDIUM_MIX above
     "medium": Budget(("math", "code", "chat", "summarization", "translation", "qa"), 32, 256, 45, 450, None, 2, 96,
@@ -196,15 +199,15 @@ def plan(target: str, budget_name: str, out: Path, suite: str, device: str | Non
                                       *_unread_open_text(warm, b.eagle_overrides)] if warm else []),
                                    *([f"data.answers={answers}"] if answers else []),
                                    *([f"train.max_minutes={b.eagle_minutes}"] if b.eagle_minutes else [])]))
-    arms = [f"eagle:path={eagle},L={b.L}"]
+    length, arms = shipped_composition(eagle)
     if b.early_exit_minutes:
         ee = out / "heads" / "early_exit"
         stages.append(("train:early-exit", ["-m", "toolkit", "train", "early-exit", "--task", task, *common,
                                             f"out_dir={ee}", "progress=false",
                                             f"train.max_minutes={b.early_exit_minutes}"]))
         arms.append(f"early_exit:path={ee},L={b.L}")
-    arms += ["pld:L=2", "suffix:L=3"]
-    stages.append(("pool-file", ["pool-file", *arms]))  # written in-process (see run)
+    # written in-process (see run)
+    stages.append(("pool-file", ["pool-file", *([f"length={length}"] if length else []), *arms]))
     stages.append(("eval", ["-m", "decode", "eval", "--target", target, "--suite", suite,
                             "--limit", str(b.eval_limit), "--max-new-tokens", str(b.eval_tokens),
                             "--pool", str(out / "pool.yaml"), "--arms", "",
@@ -259,10 +262,29 @@ def _shipped_answers(target: str) -> Path | None:
     return folder if (folder / RECORD).is_file() else None
 
 
-def write_pool_file(out: Path, target: str, budget: str, arms: list[str]) -> Path:
-    """The pool file ``decode eval --pool`` reads (decode/engine/pools.py): the trained heads are plain arm specs."""
-    text = (f"# Pool built by `python -m toolkit pool --target {target} --budget {budget}`\n"
-            f"target: {target}\ndrafters: []\narms:\n" + "".join(f"  - {a}\n" for a in arms))
+def shipped_composition(head: Path) -> tuple[str | None, list[str]]:
+    """The shipped pool's ``length`` and arms (``SHIPPED_POOL``) with every EAGLE arm in it (a union's too) reading
+    ``head``: a pool this command builds is the one that ships with its own head, so its evaluation compares with
+    the shipped pool's and ``decode serve`` batches it the same way. (Before, it held the head at a fixed L=3,
+    ``pld:L=2`` and ``suffix:L=3`` at fixed lengths.)"""
+    import yaml
+
+    from decode.engine.pools import map_paths
+
+    data = yaml.safe_load(SHIPPED_POOL.read_text())
+    return data.get("length"), [map_paths(a, lambda name, path: str(head) if name == "eagle" else path)
+                                for a in data["arms"]]
+
+
+def write_pool_file(out: Path, target: str, budget: str, spec: list[str]) -> Path:
+    """The pool file ``decode eval --pool`` reads (decode/engine/pools.py) from the pool-file stage's command
+    (``[length=L] arm ...``): the trained heads are plain arm specs."""
+    length = spec[0].removeprefix("length=") if spec and spec[0].startswith("length=") else None
+    arms = spec[1:] if length else spec
+    text = (f"# Pool built by `python -m toolkit pool --target {target} --budget {budget}`: the composition of\n"
+            f"# {SHIPPED_POOL.relative_to(REPO_ROOT)} with the head trained here\n"
+            f"target: {target}\n" + (f"length: {length}\n" if length else "")
+            + "drafters: []\narms:\n" + "".join(f"  - {a}\n" for a in arms))
     path = out / "pool.yaml"
     atomic_write_text(path, text)
     return path
@@ -304,17 +326,28 @@ def run(args) -> int:
     def is_finished(name: str, argv: list[str]) -> bool:
         return _placement_free(done.get(name, {}).get("command")) == _placement_free(argv)
 
+    # a stage after one that runs now runs again (distillations excepted: they read nothing of each other): its
+    # inputs were just remade, and its command alone does not show it (the eval reads pool.yaml by its path, so a
+    # changed pool file left the report of the old one "finished")
+    remade = False
     if budget.parallel_distill and not args.dry_run:
         todo = [(n, a) for n, a in stages if n.startswith("distill:") and not is_finished(n, a)]
         if len(todo) > 1:
             print(f"[pool] {len(todo)} distillations at once: {', '.join(n for n, _ in todo)}", file=sys.stderr)
             _run_at_once(todo, state, state_path)
+            remade = True
     for name, argv in stages:
-        finished = is_finished(name, argv)
-        print(f"[pool] {name}: {'skip (finished)' if finished else 'run'}"
-              + (f"  $ python {' '.join(argv)}" if args.dry_run and argv[0] == "-m" else ""), file=sys.stderr)
-        if not (finished or args.dry_run):
-            _run_stage(name, argv, out, args, state, state_path)
+        again = remade and not name.startswith("distill:") and is_finished(name, argv)
+        finished = is_finished(name, argv) and not again
+        what = "skip (finished)" if finished else "run again (an earlier stage ran)" if again else "run"
+        shown = f"  $ python {' '.join(argv)}" if args.dry_run and argv[0] == "-m" else ""
+        print(f"[pool] {name}: {what}{shown}", file=sys.stderr)
+        if not finished:
+            remade = True
+            # the eval's records of another pool or command are discarded; an interrupted one of this command resumes
+            fresh = ["--fresh"] if name == "eval" and (again or name in done) else []
+            if not args.dry_run:
+                _run_stage(name, argv, out, args, state, state_path, fresh)
         if name == args.stop_after:
             print(f"[pool] stopped after {name} (--stop-after); rerun without it to go on", file=sys.stderr)
             return 0
@@ -375,12 +408,14 @@ def _run_at_once(stages: list[tuple[str, list[str]]], state: dict, state_path: P
                         "skipped): " + "; ".join(failed))
 
 
-def _run_stage(name: str, argv: list[str], out: Path, args, state: dict, state_path: Path) -> None:
-    """Runs one stage and records it as finished (atomically, so an interruption never marks it done)."""
+def _run_stage(name: str, argv: list[str], out: Path, args, state: dict, state_path: Path,
+               extra: list[str] = ()) -> None:
+    """Runs one stage (``argv`` + ``extra``, flags not recorded) and records it as finished (atomically, so an
+    interruption never marks it done)."""
     if name == "pool-file":
         write_pool_file(out, args.target, args.budget, argv[1:])
     else:
-        rc = subprocess.run([sys.executable, *argv]).returncode
+        rc = subprocess.run([sys.executable, *argv, *extra]).returncode
         if rc != 0:
             raise UserError(f"stage {name} failed (exit {rc}); fix what it printed and rerun the same command "
                             f"(finished stages are skipped): python {' '.join(argv)}")

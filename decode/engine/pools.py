@@ -144,22 +144,30 @@ def _length(spec, where: str) -> str | None:
     return spec.strip()
 
 
-def _with_paths_resolved(spec: str, where: str) -> str:
-    """``spec`` with its ``path=`` (and a union's sub-arms' paths) made absolute: a pool works from any directory."""
+def map_paths(spec: str, fn) -> str:
+    """``spec`` with the ``path=`` of each arm in it (a union's sub-arms' too) replaced by ``fn(arm name, path)``;
+    a spec without one is returned as it is."""
     name, params = parse_spec(spec)
     if name == "union" and "arms" in params:
         from ..choose.arms.union import sub_specs
-        subs = [_with_paths_resolved(sub, where) for sub in sub_specs(str(params["arms"]))]
-        params["arms"] = "+".join(sub.replace(",", ":") for sub in subs)
+        params["arms"] = "+".join(map_paths(sub, fn).replace(",", ":") for sub in sub_specs(str(params["arms"])))
     elif "path" in params:
-        folder = resolve_repo_path(params["path"])
-        if folder is None:
-            raise UserError(f"{where}: path {params['path']} does not exist (relative paths are looked up under "
-                            f"{REPO_ROOT} and the working directory)")
-        params["path"] = str(folder)
+        params["path"] = fn(name, params["path"])
     else:
         return spec
     return f"{name}:" + ",".join(f"{k}={v}" for k, v in params.items())
+
+
+def _with_paths_resolved(spec: str, where: str) -> str:
+    """``spec`` with its ``path=`` (and a union's sub-arms' paths) made absolute: a pool works from any directory."""
+    def resolve(_name: str, path: str) -> str:
+        folder = resolve_repo_path(path)
+        if folder is None:
+            raise UserError(f"{where}: path {path} does not exist (relative paths are looked up under "
+                            f"{REPO_ROOT} and the working directory)")
+        return str(folder)
+
+    return map_paths(spec, resolve)
 
 
 def collect_arms(arms: str | None, pool: str | None, example: str) -> Pool:
