@@ -194,14 +194,7 @@ class SpecEngine:
         if length.uses_cost:
             length.use_cost(self.cost)
         if length.uses_cost or policy.uses_cost:
-            # seed the curve before the first round with every size a round may score that nothing has measured (then
-            # every round refines it). Probing only an empty curve left it without a one-token forward after decode
-            # eval's warm-up (rounds of 4 and 2 positions): c(n) is read against t(1), so it fell back to n, and the
-            # head drafted 1 token a round through make demo's first two prompts (code and chat) until a round scored
-            # one position
-            missing = [n for n in range(1, self.max_len + 2) if n not in self.cost.sizes()]
-            if missing:
-                probe(self.cost, self.target, prompt_ids, missing, clock=self._clock)
+            self.seed_cost(prompt_ids)
         for arm in self.arms:
             arm.reset(prompt_ids)
         # the most the target cache will hold: every token but the last, plus one round's scored positions
@@ -319,6 +312,16 @@ class SpecEngine:
             self.target.remember(state.ctx, hidden)
         return Generation(len(state.prompt_ids), state.tokens, state.rounds, self._clock() - state.start,
                           state.stopped_by, setup_time=state.setup_time, step_times=state.times)
+
+    def seed_cost(self, prompt_ids: list[int]) -> None:
+        """Probe the verification curve at every size a round may score that nothing has measured yet (after
+        ``prompt_ids``; then every round refines it): before a cost-aware round plans, or in a warm-up, so that no
+        timed run pays for it. Probing only an empty curve left it without a one-token forward after decode eval's
+        warm-up (rounds of 4 and 2 positions): c(n) is read against t(1), so it fell back to n, and the head drafted
+        1 token a round through make demo's first two prompts (code and chat) until a round scored one position."""
+        missing = [n for n in range(1, self.max_len + 2) if n not in self.cost.sizes()]
+        if missing:
+            probe(self.cost, self.target, prompt_ids, missing, clock=self._clock)
 
     def generate(self, prompt_ids: list[int], policy: Policy, max_new_tokens: int,
                  length: LengthController | None = None, reset_policy: bool = True) -> Generation:
