@@ -209,3 +209,33 @@ def test_map_paths_reaches_union_sub_arms():
     assert map_paths(spec, lambda name, path: f"{name}@{path}") == (
         "union:arms=eagle:path=eagle@a/b:L=2+pld:L=4+drafter:path=drafter@c:L=3,nodes=6")
     assert map_paths("pld:L=4", lambda name, path: 1 / 0) == "pld:L=4"
+
+
+def test_the_pool_drafts_with_the_trained_head_unless_its_warm_start_scored_higher(tmp_path):
+    from decode.common.errors import UserError
+    from toolkit.pool import pool_head, write_pool_file
+    trained, start = tmp_path / "heads" / "eagle3", tmp_path / "shipped"
+    trained.mkdir(parents=True)
+    assert pool_head(trained) == (trained, "the head trained here")  # no record: a cold run of a tiny budget
+
+    def record(before, after, init_from=str(start)):
+        (trained / "eval.json").write_text(json.dumps({
+            "heldout": {"top1_agreement": after}, "heldout_init": {"top1_agreement": before},
+            "recipe": {"head": {"init_from": init_from}}}))
+
+    record(0.635, 0.640)
+    assert pool_head(trained)[0] == trained
+    record(0.635, 0.630)  # training lost half a point: the head it started from, if it is still there
+    head, why = pool_head(trained)
+    assert head == trained and "no longer at" in why
+    start.mkdir()
+    (start / "head.json").write_text("{}")
+    head, why = pool_head(trained)
+    assert head == start and "63.5% against 63.0%" in why
+    spec = ["length=cost", f"eagle:path={trained},L=3", "pld:L=4",
+            f"union:arms=eagle:path={trained}:L=2+pld:L=4,nodes=6"]
+    text = write_pool_file(tmp_path, "t", "medium", spec, head=trained).read_text()
+    assert str(trained) not in text and text.count(f"path={start}") == 2 and "# EAGLE arms: the head it was" in text
+    (trained / "eval.json").write_text("{")
+    with pytest.raises(UserError, match="not valid JSON"):
+        pool_head(trained)

@@ -2,13 +2,15 @@
 a target end to end — distill → train the pool's arms → write the pool file → ``decode eval`` on the dev
 suite → its report — as one resumable command. The pool file holds the shipped pool's arms and draft-length
 controller (``recipes/pools/pretrained.yaml``: the head's chain, prompt lookup, the suffix tree, the head and prompt
-lookup in one tree; ``length: cost``) with every EAGLE arm reading the head trained here.
+lookup in one tree; ``length: cost``) with every EAGLE arm reading the head trained here (or the head it was
+warm-started from, when that one scored higher on the same held-out answers: :func:`pool_head`).
 
 Every stage is one of the commands a user could type (``python -m toolkit distill``, ``python -m toolkit
 train eagle``, ``python -m decode eval``), run as its own process, so a stage's memory is returned before
 the next and its own resume logic applies inside it. ``<out>/pool_state.json`` records each finished
 stage with the exact command it ran; a rerun skips a stage whose command is unchanged (a changed budget
-or target re-runs it, and the stage's command then resumes or refuses as it always does).
+or target re-runs it, and the stage's command then resumes or refuses as it always does) and runs again every
+stage after one that runs (distillations excepted; the eval afresh).
 
 Budgets (what a 2-core CPU finishes in the time stated for the default target; larger ones are for GPUs):
 
@@ -46,6 +48,7 @@ from pathlib import Path
 from decode.common.errors import UserError
 from decode.common.io import atomic_write_json, atomic_write_text
 from decode.core.models import DEFAULT_TARGET
+from decode.engine.pools import map_paths
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEV_SUITE = "../shared/data/spec_bench/question_dev.jsonl"
@@ -229,6 +232,15 @@ def _warm_head(target: str, style: str) -> Path | None:
     return folder if (layer == "eagle3") == (style == "eagle3") else None
 
 
+def _head_record(head: Path, fix: str) -> dict:
+    """A head folder's run record (``eval.json``; {} when it has none); ``fix``: what a corrupt one's error says."""
+    path = head / "eval.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON ({exc}): {fix}") from None
+
+
 def _unread_open_text(head: Path, overrides: tuple[str, ...]) -> list[str]:
     """``open_text.skip=N`` past the open text ``head`` trained on (its ``eval.json``: the run's own skip + the rows
     it read), when this run reads the same source (ShareGPT from the package), so training further meets new text
@@ -239,13 +251,7 @@ def _unread_open_text(head: Path, overrides: tuple[str, ...]) -> list[str]:
     mine = dict(o.split("=", 1) for o in overrides if o.startswith("open_text."))
     if (mine.get("open_text.source"), mine.get("open_text.path")) != ("sharegpt", "null"):
         return []
-    path = head / "eval.json"
-    if not path.is_file():
-        return []
-    try:
-        record = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not valid JSON ({exc}): restore the head's run record (git checkout it)") from None
+    record = _head_record(head, "restore the head's run record (git checkout it)")
     seen = record.get("recipe", {}).get("open_text", {})
     if (seen.get("source"), seen.get("path")) != ("sharegpt", None):
         return []
@@ -269,20 +275,45 @@ def shipped_composition(head: Path) -> tuple[str | None, list[str]]:
     ``pld:L=2`` and ``suffix:L=3`` at fixed lengths.)"""
     import yaml
 
-    from decode.engine.pools import map_paths
-
     data = yaml.safe_load(SHIPPED_POOL.read_text())
     return data.get("length"), [map_paths(a, lambda name, path: str(head) if name == "eagle" else path)
                                 for a in data["arms"]]
 
 
-def write_pool_file(out: Path, target: str, budget: str, spec: list[str]) -> Path:
+def pool_head(head: Path) -> tuple[Path, str]:
+    """The head the pool drafts with, and why: the one trained in ``head``, or the head it was warm-started from
+    (``head.init_from``) when that one agreed more often with the target on the same held-out answers (its
+    ``eval.json``: ``heldout_init`` against ``heldout``, top-1): training further need not help (the medium budget on
+    the AMD EPYC took the shipped head from 63.5% to 63.0%), and a pool is never built worse than what it started
+    from, as a trainer keeps its best checkpoint."""
+    record = _head_record(head, "rerun the pool's train:eagle stage (--fresh)")
+    before, after = ((record.get(k) or {}).get("top1_agreement") for k in ("heldout_init", "heldout"))
+    start = ((record.get("recipe") or {}).get("head") or {}).get("init_from")  # a run without held-out rows: None
+    if before is None or after is None or not start:
+        return head, "the head trained here"
+    if after >= before:
+        return head, f"the head trained here (held-out top-1 agreement {after:.1%}, {before:.1%} before training)"
+    why = f"held-out top-1 agreement {before:.1%} against {after:.1%} after training"
+    start = Path(start) if Path(start).is_absolute() else REPO_ROOT / start
+    if not (start / "head.json").is_file():
+        return head, f"the head trained here: the head it started from ({why}) is no longer at {start}"
+    return start, f"the head it was trained from, {start} ({why})"
+
+
+def write_pool_file(out: Path, target: str, budget: str, spec: list[str], head: Path | None = None) -> Path:
     """The pool file ``decode eval --pool`` reads (decode/engine/pools.py) from the pool-file stage's command
-    (``[length=L] arm ...``): the trained heads are plain arm specs."""
+    (``[length=L] arm ...``): the trained heads are plain arm specs. ``head``: the trained EAGLE head those specs
+    name, replaced by the one :func:`pool_head` picks (and the pick said in the file and on stderr)."""
     length = spec[0].removeprefix("length=") if spec and spec[0].startswith("length=") else None
     arms = spec[1:] if length else spec
-    text = (f"# Pool built by `python -m toolkit pool --target {target} --budget {budget}`: the composition of\n"
-            f"# {SHIPPED_POOL.relative_to(REPO_ROOT)} with the head trained here\n"
+    note = ""
+    if head is not None:
+        chosen, why = pool_head(head)
+        arms = [map_paths(a, lambda name, path: str(chosen) if path == str(head) else path) for a in arms]
+        note = f"# EAGLE arms: {why}\n"
+        print(f"[pool] EAGLE arms: {why}", file=sys.stderr)
+    text = (f"# Pool built by `python -m toolkit pool --target {target} --budget {budget}`: the arms of\n"
+            f"# {SHIPPED_POOL.relative_to(REPO_ROOT)} on this pool's EAGLE head\n{note}"
             f"target: {target}\n" + (f"length: {length}\n" if length else "")
             + "drafters: []\narms:\n" + "".join(f"  - {a}\n" for a in arms))
     path = out / "pool.yaml"
@@ -413,7 +444,7 @@ def _run_stage(name: str, argv: list[str], out: Path, args, state: dict, state_p
     """Runs one stage (``argv`` + ``extra``, flags not recorded) and records it as finished (atomically, so an
     interruption never marks it done)."""
     if name == "pool-file":
-        write_pool_file(out, args.target, args.budget, argv[1:])
+        write_pool_file(out, args.target, args.budget, argv[1:], head=out / "heads" / BUDGETS[args.budget].eagle_style)
     else:
         rc = subprocess.run([sys.executable, *argv, *extra]).returncode
         if rc != 0:
