@@ -1,9 +1,11 @@
 """``python -m toolkit pool [--target T] [--budget small|medium|large]`` (``make pool``): build a drafter pool for
 a target end to end — distill → train the pool's arms → write the pool file → ``decode eval`` on the dev
-suite → its report — as one resumable command. The pool file holds the shipped pool's arms and draft-length
-controller (``recipes/pools/pretrained.yaml``: the head's chain, prompt lookup, the suffix tree, the head and prompt
-lookup in one tree; ``length: cost``) with every EAGLE arm reading the head trained here (or the head it was
-warm-started from, when that one scored higher on the same held-out answers: :func:`pool_head`).
+suite → its report — as one resumable command.
+
+The pool file holds the shipped pool's arms and draft-length controller (``recipes/pools/pretrained.yaml``: the
+head's chain, prompt lookup, the suffix tree, the head and prompt lookup in one tree; ``length: cost``) with every
+EAGLE arm reading the head trained here (or the head it was warm-started from, when that one scored higher on the
+same held-out answers: :func:`pool_head`).
 
 Every stage is one of the commands a user could type (``python -m toolkit distill``, ``python -m toolkit
 train eagle``, ``python -m decode eval``), run as its own process, so a stage's memory is returned before
