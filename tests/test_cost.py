@@ -245,6 +245,30 @@ def test_the_engine_probes_the_sizes_its_curve_lacks_before_a_cost_controller_pl
     assert {1, 2, 3, 4, 5} <= eng.cost.sizes() and eng.cost.steps(3, 10) != 3.0
 
 
+def test_a_drafted_tokens_cost_is_a_windowed_median_so_a_rounds_one_off_work_does_not_linger():
+    """A query's first round carries an EAGLE head's catch-up over the prompt: a running mean kept it all query."""
+    from decode.core.cost import DraftCost
+
+    def rec(arm, drafted, seconds):
+        return RoundRecord(arm, drafted, 0, 1, seconds, 0.05, step_time=0.05)
+
+    d = DraftCost(window=4)
+    assert d[0] == 0.0
+    d.observe(rec(0, 2, 0.030))  # the catch-up: 0.3 steps a token
+    d.observe(rec(0, 0, 0.0))  # drafted nothing: no evidence
+    for _ in range(2):
+        d.observe(rec(0, 2, 0.007))  # 0.07 steps a token
+    assert d[0] == pytest.approx(0.07) and d[1] == 0.0
+    for _ in range(4):
+        d.observe(rec(0, 1, 0.010))
+    assert d[0] == pytest.approx(0.2)  # the window moved on
+    # the controller and the router read it
+    ctl, router = build_length("cost"), build_policy("router:cost=true", 2, 4)
+    ctl.observe_round(rec(1, 2, 0.030))
+    router.update(1, rec(1, 2, 0.030))
+    assert ctl.draft_cost[1] == router.draft_steps[1] == pytest.approx(0.3)
+
+
 def _row(q: float, V: int = 8) -> torch.Tensor:
     """A draft distribution whose top probability is ``q``."""
     row = torch.full((V,), (1 - q) / (V - 1))

@@ -204,7 +204,7 @@ def test_cost_aware_router_maximises_expected_tokens_per_step_of_cost():
             r.draft_time, r.step_time = draft_s * r.drafted, 0.05
         pol.update(2, recs[2])
         pol.update_full(2, recs, feats)
-    assert pol.draft_cost[2] == pytest.approx(0.4)  # 0.02 s per token / 0.05 s per step
+    assert pol.draft_steps[2] == pytest.approx(0.4)  # 0.02 s per token / 0.05 s per step
     est = [pol.reward.lo + (pol.reward.hi - pol.reward.lo) * pol.estimate(j) for j in range(3)]
     want = [est[0] / curve[5], est[1] / curve[3], est[2] / (curve[3] + 2 * 0.4)]
     pol.see(feats)

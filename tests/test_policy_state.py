@@ -54,12 +54,28 @@ def test_a_cost_aware_router_round_trips_without_its_runtime_links():
     a.use_cost(curve.__getitem__, [L] * K)
     _play(a, 40, np.random.default_rng(0))
     saved = json.loads(json.dumps(policy_state(a)))
-    assert "_steps" not in saved["attrs"] and "draft_cost" in saved["attrs"]
+    assert "_steps" not in saved["attrs"] and "draft_steps" in saved["attrs"]
     b = build_policy("router:carry=true,cost=true", K, L, seed=99)
     load_policy_state(b, saved)
     b.use_cost(curve.__getitem__, [L] * K)  # the engine links it again at the next query
-    assert np.array_equal(a.draft_cost, b.draft_cost)
+    assert [a.draft_steps[j] for j in range(K)] == [b.draft_steps[j] for j in range(K)] != [0.0] * K
     assert _play(a, 60, np.random.default_rng(1)) == _play(b, 60, np.random.default_rng(1))
+
+
+def test_a_cost_aware_router_state_from_before_the_windowed_drafting_cost_still_loads():
+    """Those files saved the drafting cost as a running-mean array (``draft_cost``, ``draft_n``): they load, and the
+    router relearns the costs in its own field."""
+    a = build_policy("router:carry=true,cost=true", K, L, seed=3)
+    _play(a, 10, np.random.default_rng(0))
+    saved = json.loads(json.dumps(policy_state(a)))
+    del saved["attrs"]["draft_steps"]
+    saved["attrs"]["draft_cost"] = {"__ndarray__": [0.1] * K, "dtype": "float64"}
+    saved["attrs"]["draft_n"] = {"__ndarray__": [3] * K, "dtype": "int64"}
+    b = build_policy("router:carry=true,cost=true", K, L, seed=3)
+    load_policy_state(b, saved)
+    b.use_cost({n: 1.0 for n in range(1, L + 2)}.__getitem__, [L] * K)
+    _play(b, 10, np.random.default_rng(1))
+    assert b.draft_steps[0] == pytest.approx(0.1 / L)  # 1 ms per draft of L tokens, 10 ms a step
 
 
 def test_a_state_for_other_arms_or_another_policy_is_refused():

@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..core.cost import DraftCost
 from ..core.draft import Outcome
 from ..common.errors import UserError
 from ..common.registry import Registry
@@ -272,8 +273,7 @@ class CostAware(LengthController):
     def _init_state(self):
         self.reached: dict[int, list[int]] = {}  # arm -> rounds whose draft reached position i (index i-1)
         self.accepted: dict[int, list[int]] = {}  # arm -> ... of which position i was accepted
-        self.draft_cost: dict[int, float] = {}  # arm -> drafted token in steps (running mean)
-        self.draft_rounds: dict[int, int] = {}
+        self.draft_cost = DraftCost()  # arm -> a drafted token in steps
         self.plans: dict[int, list[tuple[int, float, float]]] = {}  # arm -> [(k*, E[tokens], cost)]
         self.pending: list[list[float]] = []  # [E[tokens], cost] of the rounds since take_plans()
         # confidence calibration: arm -> per decile [reached, accepted]; this round's confidences
@@ -306,7 +306,7 @@ class CostAware(LengthController):
 
     def plan(self, arm: int, max_len: int, context: int) -> tuple[int, float, float]:
         """(k*, E[tokens | k*], cost(k*)) for a round of arm ``arm`` of at most ``max_len`` drafted tokens."""
-        d = self.draft_cost.get(arm, 0.0)
+        d = self.draft_cost[arm]
         best, expected, prefix = (1, 0.0, 0.0), 1.0, 1.0
         for k, a in enumerate(self.rates(arm, max(1, max_len)), start=1):
             prefix *= a
@@ -323,7 +323,7 @@ class CostAware(LengthController):
 
     def revise(self, arm: int, confs: list[float], max_len: int, context: int) -> tuple[bool, float, float]:
         """With ``len(confs)`` = i tokens drafted (their confidences): (draft token i?, E_i, cost(i))."""
-        i, d = len(confs), self.draft_cost.get(arm, 0.0)
+        i, d = len(confs), self.draft_cost[arm]
         expected, prefix = 1.0, 1.0
         for q in confs:  # E_i = 1 + Σ_{m ≤ i} Π_{j ≤ m} â(q_j)
             prefix *= self.calibrated(arm, q)
@@ -412,11 +412,7 @@ class CostAware(LengthController):
         if record.drafted <= 0 or not record.step_time > 0:
             return
         self.step_seconds = record.step_time
-        n = self.draft_rounds.get(record.arm, 0) + 1
-        per_token = record.draft_time / record.drafted / record.step_time
-        old = self.draft_cost.get(record.arm, 0.0)
-        self.draft_rounds[record.arm] = n
-        self.draft_cost[record.arm] = old + (per_token - old) / n
+        self.draft_cost.observe(record)
 
 
 def _load_trained_predictor(folder: str) -> Predictor:

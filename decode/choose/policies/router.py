@@ -42,6 +42,7 @@ from collections import defaultdict
 import numpy as np
 
 from ...common.errors import UserError
+from ...core.cost import DraftCost
 from .base import Policy, register
 
 
@@ -87,8 +88,9 @@ class Router(Policy):
         self.ctx_sum: dict[tuple, float] = defaultdict(float)
         self.ctx_n: dict[tuple, int] = defaultdict(int)
         self.features: dict[int, tuple[int, int]] = {}
-        self.draft_cost = np.zeros(self.K)  # cost=true: drafting steps per drafted token, running mean per arm
-        self.draft_n = np.zeros(self.K, dtype=np.int64)
+        # cost=true: drafting steps per drafted token, per arm (named apart from the running-mean array that state files
+        # saved before it, which load as an attribute nothing reads: the costs are learnt again)
+        self.draft_steps = DraftCost()
 
     def context(self, arm: int, features: dict | None) -> tuple:
         f = (features or {}).get(arm)
@@ -127,7 +129,7 @@ class Router(Policy):
         tokens = self.reward.lo + (self.reward.hi - self.reward.lo) * est
         f = self.features.get(arm)
         n = f[0] if f is not None else self._lengths[arm]
-        drafting = 0.0 if f is not None else n * self.draft_cost[arm]  # an existing draft is spent already
+        drafting = 0.0 if f is not None else n * self.draft_steps[arm]  # an existing draft is spent already
         return tokens / (self._steps(n + 1) + drafting)
 
     def select(self) -> int:
@@ -136,15 +138,9 @@ class Router(Policy):
             return first
         return int(np.argmax([self.score(j) for j in range(self.K)]))
 
-    def _observe_draft(self, rec) -> None:
-        if rec.drafted > 0 and rec.step_time > 0:
-            j = rec.arm
-            self.draft_n[j] += 1
-            self.draft_cost[j] += (rec.draft_time / rec.drafted / rec.step_time - self.draft_cost[j]) / self.draft_n[j]
-
     def update(self, arm, record):
         super().update(arm, record)
-        self._observe_draft(record)
+        self.draft_steps.observe(record)
 
     def _learn(self, arm: int, value: float, features: dict | None) -> None:
         u = self.reward.unit(value)
@@ -161,4 +157,4 @@ class Router(Policy):
             if j != played:
                 self.n_obs[j] += 1
                 self._learn(j, self.reward(rec), features)
-                self._observe_draft(rec)
+                self.draft_steps.observe(rec)
