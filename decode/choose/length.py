@@ -217,17 +217,17 @@ class CostAware(LengthController):
         E[tokens | k] / cost(k),  E[tokens | k] = 1 + Σ_{m=1..k} Π_{i≤m} a_i,  cost(k) = c(k + 1) + k · d
 
     in one-token steps, where c is the engine's measured verification curve at this context length
-    (decode/core/cost.py), d the arm's measured cost of one drafted token (a running mean of draft seconds per
-    drafted token over the step time) and a_i the arm's acceptance rate at position i given positions < i
-    were accepted, (accepted_i + 2·prior·a_{i−1}) / (reached_i + 2·prior) with a_0 = 1/2: a Beta posterior mean
-    whose 2·prior pseudo-observations sit at the rate of the position before. A position the arm's drafts never
-    reached is thus expected to do as the last one did, not to fall back to 1/2: with a flat prior, an arm whose
-    copies were accepted whole at positions 1–2 (prompt lookup on an extraction prompt) looked worse at 3 than it
-    was, and where a third position costs a jump (4 positions 1.44 steps against 3 at 1.20 on an AMX Xeon) the
-    controller never drafted it, so never learnt otherwise. The arm drafts k* tokens (fewer when it runs out;
-    token 0 is always drafted, so a pool that may not speculate at all holds ``none`` for the policy to pick). Per
-    arm, reset per query unless ``carry``. ``plans`` records every round's choice (k*, expected tokens, expected
-    cost) per arm for reports.
+    (decode/core/cost.py), d the arm's measured cost of one drafted token (draft seconds per drafted token over the
+    step time, the median of its last drafting rounds: ``DraftCost``) and a_i the arm's acceptance rate at position
+    i given positions < i were accepted, (accepted_i + 2·prior·a_{i−1}) / (reached_i + 2·prior) with a_0 = 1/2: a
+    Beta posterior mean whose 2·prior pseudo-observations sit at the rate of the position before. A position the
+    arm's drafts never reached is thus expected to do as the last one did, not to fall back to 1/2: with a flat
+    prior, an arm whose copies were accepted whole at positions 1–2 (prompt lookup on an extraction prompt) looked
+    worse at 3 than it was, and where a third position costs a jump (4 positions 1.44 steps against 3 at 1.20 on an
+    AMX Xeon) the controller never drafted it, so never learnt otherwise. The arm drafts k* tokens (fewer when it
+    runs out; token 0 is always drafted, so a pool that may not speculate at all holds ``none`` for the policy to
+    pick). Per arm, reset per query unless ``carry``. ``plans`` records every round's choice (k*, expected tokens,
+    expected cost) per arm for reports.
 
     Confidence stopping (``confidence=true``; off by default: with the shipped EAGLE head it measured no faster than
     the k* plan, 23.9 vs 24.4 tokens/s at L=5 on Spec-Bench dev, 13 × 1 prompts, interleaved; with the fifth head
