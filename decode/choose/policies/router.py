@@ -15,11 +15,11 @@ Cost-aware routing (``cost=true``; reward ``tokens``): the router picks argmax_j
 E_j, with E_j its estimate (bonus included) in tokens per round and cost_j = c(n_j + 1) + o + n_j·d_j in one-token
 steps: c the engine's verification cost curve at the current context (decode/core/cost.py), o the engine's
 measured per-round overhead (choice, feedback, bookkeeping: paid by every round, so it favours rounds that
-yield more), n_j the arm's draft
-length this round (already known for the arms that proposed before the choice, else its preset L), d_j its
-measured drafting cost per token (the median of its last records: decode/core/cost.py ``DraftCost``; 0 for an
-arm whose draft for this round already exists: that cost is spent whichever arm is played). Off by default: it measured slower than the plain
-router over the shipped pool (2.27× against 2.34× plain ``generate``, MAT 1.47 against 1.71; docs/evaluation.md).
+yield more), n_j the arm's draft length this round (already known for the arms that proposed before the choice,
+else its preset L), d_j its measured drafting cost per token (the median of its last records: decode/core/cost.py
+``DraftCost``; 0 for an arm whose draft for this round already exists: that cost is spent whichever arm is played).
+Off by default: it measured slower than the plain router over the shipped pool (2.27× against 2.34× plain
+``generate``, MAT 1.47 against 1.71; docs/evaluation.md).
 
 Arms with no counterfactual record (neural arms that cannot be scored, e.g. a union holding an EAGLE chain, learnt
 from their own rounds only) are explored by Thompson sampling (``explore=thompson``, the default): their value is
