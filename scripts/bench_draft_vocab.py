@@ -30,11 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def answers(records: Path, tok) -> list[tuple[str, list[int], list[int]]]:
-    """(category, prompt ids, answer ids) of every ``hf`` row of a ``decode eval`` records file."""
+def answers(lines: list[dict], tok) -> list[tuple[str, list[int], list[int]]]:
+    """(category, prompt ids, answer ids) of every ``hf`` row of a ``decode eval`` records file's ``lines``."""
     from decode.evaluation.suites import encode_prompt, load_jsonl_suite
 
-    lines = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
     suite = Path(lines[0]["config"]["suite"])
     prompts = {p.id: p for p in load_jsonl_suite(suite if suite.is_absolute() else REPO / suite)}
     return [(r["category"], encode_prompt(tok, prompts[r["prompt_id"]].text), r["token_ids"])
@@ -60,12 +59,12 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     head_dir = Path(args.head)
-    header = json.loads(Path(args.records).read_text().splitlines()[0])
-    target = header["config"]["target"]
+    lines = [json.loads(line) for line in Path(args.records).read_text().splitlines() if line.strip()]
+    target = lines[0]["config"]["target"]
     model, tok = load_model(target, dtype=torch.float32)
     for p in model.parameters():
         p.requires_grad_(False)
-    rows = answers(Path(args.records), tok)
+    rows = answers(lines, tok)
     V = model.get_output_embeddings().weight.shape[0]
     counts = count_tokens((r["response_ids"] for r in load_answers(REPO / "pretrained" / target / "answers")), V)
     meta = read_head_config(head_dir)

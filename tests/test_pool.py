@@ -234,7 +234,7 @@ def test_the_pool_drafts_with_the_trained_head_unless_its_warm_start_scored_high
     assert head == start and "63.5% against 63.0%" in why
     spec = ["length=cost", f"eagle:path={trained},L=3", "pld:L=4",
             f"union:arms=eagle:path={trained}:L=2+pld:L=4,nodes=6"]
-    text = write_pool_file(tmp_path, "t", "medium", spec, head=trained).read_text()
+    text = write_pool_file(tmp_path, "t", "medium", spec).read_text()
     assert str(trained) not in text and text.count(f"path={start}") == 2 and "# EAGLE arms: the head it was" in text
     (trained / "eval.json").write_text("{")
     with pytest.raises(UserError, match="not valid JSON"):

@@ -50,7 +50,7 @@ from pathlib import Path
 from decode.common.errors import UserError
 from decode.common.io import atomic_write_json, atomic_write_text
 from decode.core.models import DEFAULT_TARGET
-from decode.engine.pools import map_paths
+from decode.engine.pools import load_pool, map_paths
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEV_SUITE = "../shared/data/spec_bench/question_dev.jsonl"
@@ -275,11 +275,9 @@ def shipped_composition(head: Path) -> tuple[str | None, list[str]]:
     ``head``: a pool this command builds is the one that ships with its own head, so its evaluation compares with
     the shipped pool's and ``decode serve`` batches it the same way. (Before, it held the head at a fixed L=3,
     ``pld:L=2`` and ``suffix:L=3`` at fixed lengths.)"""
-    import yaml
-
-    data = yaml.safe_load(SHIPPED_POOL.read_text())
-    return data.get("length"), [map_paths(a, lambda name, path: str(head) if name == "eagle" else path)
-                                for a in data["arms"]]
+    shipped = load_pool(SHIPPED_POOL)
+    return shipped.length, [map_paths(a, lambda name, path: str(head) if name == "eagle" else path)
+                            for a in shipped.arms]
 
 
 def pool_head(head: Path) -> tuple[Path, str]:
@@ -302,17 +300,23 @@ def pool_head(head: Path) -> tuple[Path, str]:
     return start, f"the head it was trained from, {start} ({why})"
 
 
-def write_pool_file(out: Path, target: str, budget: str, spec: list[str], head: Path | None = None) -> Path:
+def write_pool_file(out: Path, target: str, budget: str, spec: list[str]) -> Path:
     """The pool file ``decode eval --pool`` reads (decode/engine/pools.py) from the pool-file stage's command
-    (``[length=L] arm ...``): the trained heads are plain arm specs. ``head``: the trained EAGLE head those specs
-    name, replaced by the one :func:`pool_head` picks (and the pick said in the file and on stderr)."""
+    (``[length=L] arm ...``): the trained heads are plain arm specs, each EAGLE head the one :func:`pool_head` picks
+    for the head trained there (the pick said in the file and on stderr)."""
     length = spec[0].removeprefix("length=") if spec and spec[0].startswith("length=") else None
-    arms = spec[1:] if length else spec
-    note = ""
-    if head is not None:
-        chosen, why = pool_head(head)
-        arms = [map_paths(a, lambda name, path: str(chosen) if path == str(head) else path) for a in arms]
-        note = f"# EAGLE arms: {why}\n"
+    picks: dict[str, tuple[Path, str]] = {}  # trained head -> (the head drafted with, why): read once per head
+
+    def pick(name: str, path: str) -> str:
+        if name != "eagle":
+            return path
+        if path not in picks:
+            picks[path] = pool_head(Path(path))
+        return str(picks[path][0])
+
+    arms = [map_paths(a, pick) for a in (spec[1:] if length else spec)]
+    note = "".join(f"# EAGLE arms: {why}\n" for _, why in picks.values())
+    for _, why in picks.values():
         print(f"[pool] EAGLE arms: {why}", file=sys.stderr)
     text = (f"# Pool built by `python -m toolkit pool --target {target} --budget {budget}`: the arms of\n"
             f"# {SHIPPED_POOL.relative_to(REPO_ROOT)} on this pool's EAGLE head\n{note}"
@@ -370,8 +374,9 @@ def run(args) -> int:
             _run_at_once(todo, state, state_path)
             remade = True
     for name, argv in stages:
-        again = remade and not name.startswith("distill:") and is_finished(name, argv)
-        finished = is_finished(name, argv) and not again
+        before = is_finished(name, argv)
+        again = before and remade and not name.startswith("distill:")
+        finished = before and not again
         what = "skip (finished)" if finished else "run again (an earlier stage ran)" if again else "run"
         shown = f"  $ python {' '.join(argv)}" if args.dry_run and argv[0] == "-m" else ""
         print(f"[pool] {name}: {what}{shown}", file=sys.stderr)
@@ -446,7 +451,7 @@ def _run_stage(name: str, argv: list[str], out: Path, args, state: dict, state_p
     """Runs one stage (``argv`` + ``extra``, flags not recorded) and records it as finished (atomically, so an
     interruption never marks it done)."""
     if name == "pool-file":
-        write_pool_file(out, args.target, args.budget, argv[1:], head=out / "heads" / BUDGETS[args.budget].eagle_style)
+        write_pool_file(out, args.target, args.budget, argv[1:])
     else:
         rc = subprocess.run([sys.executable, *argv, *extra]).returncode
         if rc != 0:

@@ -177,18 +177,19 @@ class DraftCost:
 
     def __init__(self, window: int = WINDOW):
         self._per_token: dict[int, deque] = {}
+        self._median: dict[int, float] = {}  # taken once a round, when it changes (plans read it many times)
         self.window = int(window)
 
     def observe(self, record) -> None:
         """A played round's :class:`~decode.core.draft.RoundRecord` (rounds that drafted nothing say nothing)."""
         if record.drafted > 0 and record.step_time > 0:
-            self._per_token.setdefault(record.arm, deque(maxlen=self.window)).append(
-                record.draft_time / record.drafted / record.step_time)
+            times = self._per_token.setdefault(record.arm, deque(maxlen=self.window))
+            times.append(record.draft_time / record.drafted / record.step_time)
+            self._median[record.arm] = statistics.median(times)
 
     def __getitem__(self, arm: int) -> float:
         """The arm's cost of a drafted token in steps (0 until it has drafted)."""
-        times = self._per_token.get(arm)
-        return statistics.median(times) if times else 0.0
+        return self._median.get(arm, 0.0)
 
 
 def verification_forwards(prompt_len: int, rounds, step_times) -> list[list]:

@@ -319,7 +319,8 @@ class SpecEngine:
         timed run pays for it. Probing only an empty curve left it without a one-token forward after decode eval's
         warm-up (rounds of 4 and 2 positions): c(n) is read against t(1), so it fell back to n, and the head drafted
         1 token a round through make demo's first two prompts (code and chat) until a round scored one position."""
-        missing = [n for n in range(1, self.max_len + 2) if n not in self.cost.sizes()]
+        measured = self.cost.sizes()
+        missing = [n for n in range(1, self.max_len + 2) if n not in measured]
         if missing:
             probe(self.cost, self.target, prompt_ids, missing, clock=self._clock)
 
