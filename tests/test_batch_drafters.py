@@ -196,8 +196,8 @@ def test_expand_one_trees_draft_batched_as_the_serial_tree_and_rows_stay_lossles
                                                                                    length):
     """An EAGLE tree that expands one node a depth (the chain and its runner-ups) drafts with the head's other rows:
     the tree is the serial arm's from the same context (tokens and shape), alone or in a union, and rows stay their
-    plain greedy decoding (length=cost: 2 positions pay, so the trees, drafted 2 deep, are cut to their first 2
-    nodes breadth-first)."""
+    plain greedy decoding (length=cost: 2 positions pay, so the trees, drafted 2 deep, are cut to their 2 most
+    valuable nodes, and what each node rank yields is learnt: every accepted node counted once at its rank)."""
     head = _module(model, kind)
     seen = _spy(monkeypatch)
     eng = _engine(model, head, pool=pool, policy="ucbspec" if length == "cost" else "random", length=length)
@@ -212,6 +212,9 @@ def test_expand_one_trees_draft_batched_as_the_serial_tree_and_rows_stay_lossles
     assert any(rec.arm == 0 and rec.accepted for r in rows for rec in r.rounds)
     if length == "cost":  # every draft cut to 2 positions, trees 4 nodes wide among them
         assert max(max(h.drafted) for h in eng.history) == 2
+        ranks, (accepted, _) = eng.acceptance.ranks[0], eng.acceptance.shared[0]
+        assert len(ranks) == 2 and sum(hits for _, hits in ranks) == accepted > 0
+        assert all(0 <= hits <= drafted for drafted, hits in ranks) and ranks[0][0] >= ranks[1][0]
     for ctx, cap, draft in seen:
         serial = _tree(model, head, GREEDY).propose(ctx, min(3, cap))
         assert draft.tokens.tolist() == serial.tokens.tolist(), ctx

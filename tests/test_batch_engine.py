@@ -236,18 +236,26 @@ def test_joint_length_backs_off_when_the_block_gets_expensive():
     assert joint_length([0.6, 0.6], [0, 0], flat) == 0  # nothing to draft (the none arm, or no budget left)
 
 
-def test_a_unions_tree_is_counted_by_the_depth_its_first_K_nodes_reach():
-    """A union's chains merged and cut to K nodes breadth-first reach less deep than a chain of K: the joint length
-    counts that depth (two chains diverging at the root: one node per chain on each level)."""
-    from decode.engine.batch import joint_length, tree_depth
-
-    assert [tree_depth(K, 3) for K in range(5)] == [0, 1, 2, 3, 3]  # a chain
-    assert [tree_depth(K, (2, 4)) for K in range(8)] == [0, 1, 1, 2, 2, 3, 4, 4]  # levels of 2, 2, 1, 1 nodes
-    assert tree_depth(3, (3, 0)) == 3  # a part that drafted nothing adds no node
-    flat = lambda n, _=None: 1.0 + 0.05 * (n - 1)  # noqa: E731
-    assert joint_length([0.6], [2], flat) == 2
-    # two one-token chains: a second position buys a sibling, no depth, so it is not worth its cost
-    assert joint_length([0.6], [(1, 1)], flat) == 1
+def test_a_trees_cut_is_valued_by_what_its_first_K_nodes_yield_per_node_rank():
+    """A tree cut to its first K nodes yields 1 + Σ_{i ≤ K} p_i (p_i: its i-th node's acceptance rate), learnt per
+    rank; the joint length cuts where the next nodes stop paying: a level's second node accepted in 1 of 10 rounds
+    is not worth a position, though one α per level (what the tree's depth reaches) credited it with the level's."""
+    from types import SimpleNamespace
+    from decode.engine.batch import joint_length
+    acc = Acceptance()
+    for r in range(1000):  # node 0 accepted 60%, node 1 (a sibling) 10%, node 2 (node 0's child) 40%
+        first = r % 10 < 6
+        acc.observe_nodes(0, 3, [0, 2] if first and r % 10 < 4 else [0] if first else [1] if r % 10 == 6 else [])
+    row = SimpleNamespace(acceptance={})
+    acc.shared[0] = [1.0, 1.0]  # α = 0.5 (a row with no rounds of its own reads the shared mean: no scaling)
+    gains = acc.tree_gains(row, 0, 3)
+    assert gains == pytest.approx([1.0, 1.6, 1.7, 2.1], abs=2e-3)
+    assert acc.tree_gains(row, 0, 5)[4] > gains[3]  # ranks never drafted: their optimistic prior α^i, so tried
+    cost = lambda w, n=None: 1.0 + 0.3 * (w - 1)  # noqa: E731  (one row: each position 0.3 of a step)
+    assert joint_length([gains], [(2, 2)], cost) == 1  # 1.6 / 1.3 beats 1.7 / 1.6 and 2.1 / 1.9
+    assert joint_length([gains], [(2, 2)], lambda w, n=None: 1.0 + 0.05 * (w - 1)) == 3  # flat: every node pays
+    own = SimpleNamespace(acceptance={0: [30.0, 10.0]})  # a row whose own rounds accept more than the shared α
+    assert all(a > b for a, b in zip(acc.tree_gains(own, 0, 3)[1:], gains[1:]))
 
 
 @pytest.mark.parametrize("max_batch", [None, 2])

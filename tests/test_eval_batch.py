@@ -186,6 +186,7 @@ def test_our_engines_decode_a_segment_in_lockstep_and_hf_alone_by_turns(tiny_tar
         if "segment" in r and r["method"] != "hf":
             assert max(x["latency"] for x in r["rows"]) == r["seconds"] > 0
             est = r["estimates"]  # what the engine's choices rested on at the segment's end
-            assert set(est) == {"acceptance", "module_seconds", "calibration", "row_overhead", "counterfactual_seconds"}
+            assert set(est) == {"acceptance", "node_ranks", "module_seconds", "calibration", "row_overhead",
+                                "counterfactual_seconds"}
             if "ucbspec" in r["method"]:  # its rounds drafted and measured themselves
                 assert est["acceptance"] and est["calibration"] and est["row_overhead"]

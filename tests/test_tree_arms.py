@@ -6,7 +6,7 @@ import torch
 
 from decode.choose.arms import ArmEnv, build_arm
 from decode.choose.arms.eagle import EagleArm
-from decode.choose.arms.eagle.tree import EagleChainsArm, EagleTreeArm
+from decode.choose.arms.eagle.tree import EagleChainsArm, EagleTreeArm, TreeNodes
 from decode.choose.arms.model import DrafterModelArm
 from decode.choose.arms.union import UnionArm, sub_specs
 from decode.engine.loop import SpecEngine
@@ -248,3 +248,16 @@ def test_eagle_spec_builds_chains_k_chains_or_the_dynamic_tree(tmp_path):
         build_arm(f"eagle:path={path},K=2,tree=dynamic", env)
     with pytest.raises(UserError, match="tree must be chain"):
         build_arm(f"eagle:path={path},tree=bushy", env)
+
+
+def test_dynamic_tree_nodes_are_numbered_by_value_so_every_prefix_is_the_best_tree_of_its_size():
+    """A dynamic tree's draft lists its nodes best first (a child is never worth more than its parent, so the order
+    is topological): cut to its first K nodes, as a batched round cuts it, it keeps its K most valuable. Numbered
+    breadth-first, the first 2 of these 4 nodes were both root children, the second worth 0.1 where the chain's
+    next node is worth 0.72."""
+    nodes = TreeNodes()
+    a, b = nodes.add_children(-1, torch.tensor([0.9, 0.1, 0.0]), topk=2)  # tokens 0 (0.9) and 1 (0.1)
+    c, d = nodes.add_children(a, torch.tensor([0.0, 0.2, 0.8]), topk=2)  # tokens 2 (0.72) and 1 (0.18)
+    draft = nodes.draft(nodes.ranked(4))
+    assert draft.tokens.tolist() == [0, 2, 1, 1] and draft.parents.tolist() == [-1, 0, 0, -1]
+    assert draft.prefix(2).tokens.tolist() == [0, 2] and not draft.prefix(2).is_tree  # the chain, not a sibling

@@ -40,17 +40,17 @@ at most its cap, so it could not pay either; at large B most rounds are such, an
 Otherwise every row drafts up to its cap (model-free drafting is cheap), then all drafts are cut to one K chosen
 jointly for the batch on the lengths d_r actually drafted, to maximise Σ_rows E_r(min(K, d_r)) / c_B(1 + K, n(K))
 with n(K) = Σ_rows (1 + min(K, d_r)) (a few rows drafting long cost what they add) and E(k) = 1 + α + … + α^k (the
-expected tokens of a chain whose positions each survive with α). When a row's arm drafts with a module (an EAGLE
-head, a drafter, a union holding one), the cost adds that module's forwards (a catch-up and one per draft position,
-at the seconds the rounds measured), and the module's rows are left out of the round when the others' cheap drafts
-alone expect more per unit of cost. The cost also counts the round's own work per row outside the forwards
-(policies, lookups, verification, commits, compaction), measured apart for rounds in which rows drafted, rounds in
-which rows chose and none drafted, and rounds the gate made plain (what drafting is weighed against), as a fixed
-part and a part per row; a full-information policy's counterfactual drafts and their scoring are measured apart
-again, per row, and charged to speculation only where the gate would let the rows make them. A module's forward is
-costed at the number of rows drafting with it, and the whole is corrected per batch size by what such rounds
-measured against it (:meth:`BatchEngine.calibration`). As B grows the block's cost rises with its positions, and
-speculation backs off by itself; it returns when the batch shrinks.
+expected tokens of a chain whose positions each survive with α; a tree's, per node rank: below). When a row's arm
+drafts with a module (an EAGLE head, a drafter, a union holding one), the cost adds that module's forwards (a
+catch-up and one per draft position, at the seconds the rounds measured), and the module's rows are left out of the
+round when the others' cheap drafts alone expect more per unit of cost. The cost also counts the round's own work
+per row outside the forwards (policies, lookups, verification, commits, compaction), measured apart for rounds in
+which rows drafted, rounds in which rows chose and none drafted, and rounds the gate made plain (what drafting is
+weighed against), as a fixed part and a part per row; a full-information policy's counterfactual drafts and their
+scoring are measured apart again, per row, and charged to speculation only where the gate would let the rows make
+them. A module's forward is costed at the number of rows drafting with it, and the whole is corrected per batch size
+by what such rounds measured against it (:meth:`BatchEngine.calibration`). As B grows the block's cost rises with
+its positions, and speculation backs off by itself; it returns when the batch shrinks.
 ``length="fixed"``: every row drafts its arm's L. The schedules production engines use, as baselines:
 ``length="schedule:1-2=4,3-4=2,5-=0"`` (vLLM's ``num_speculative_tokens_per_batch_size``, TensorRT-LLM's
 ``draft_len_schedule``: K from the batch size alone) and ``length="ema:1,2,4"`` (SGLang's ``--speculative-adaptive``
@@ -71,17 +71,18 @@ an EAGLE head reads the target's features, which this engine's forwards then ret
 merges the row's chains into its tree (``UnionArm.combine``, as the serial union does); a tree row's block is its
 nodes, each at its depth's position and seeing only the last token, its ancestors and itself (an ancestor mask in
 the block part of the row's attention mask), and the row keeps the slots of its accepted root path (rollback is a
-per-row mask, so any slots can be kept). With ``length="cost"`` a union's tree is cut to its first K nodes
-breadth-first (the block's K positions), and K is chosen on the depth those nodes reach (:func:`tree_depth`: its
-chains' lengths, the depth they reach when no two share a node), since its acceptance is learnt per level of
-its trees. An EAGLE ``expand=1`` tree (the chain with each depth's runner-ups) drafts as its chain does, alone or in
-a union, counted as ``topk`` chains and cut the same way. Arms that draft serially only (other EAGLE trees, K
-sampled chains) are refused with a clear error (:func:`check_batchable`).
+per-row mask, so any slots can be kept). An EAGLE ``expand=1`` tree (the chain with each depth's runner-ups)
+drafts as its chain does, alone or in a union. With ``length="cost"`` a tree is cut to its first K nodes (the
+block's K positions; a union's are numbered breadth-first, an EAGLE tree's by value, so its K best), and what a
+tree-drafting arm's cut to K nodes yields is learnt per node rank (:meth:`Acceptance.tree_gains`: exact for a
+prefix cut, where one α per level overrated a tree's first nodes). Arms that draft serially only (other EAGLE
+trees, K sampled chains) are refused with a clear error (:func:`check_batchable`).
 """
 from __future__ import annotations
 
 import random
 import statistics
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -311,6 +312,9 @@ class Acceptance:
         self.rng = rng
         self.shared: dict[int, list[float]] = {}  # arm -> [accepted positions, rejections]
         self._draws: dict[int, float] = {}  # arm -> this round's draw of its shared mean
+        # arms that draft trees: arm -> per node rank i (the draft's i-th node, in its order) [rounds whose draft held
+        # it, rounds that accepted it] (:meth:`tree_gains`)
+        self.ranks: dict[int, list[list[float]]] = {}
 
     def new_round(self) -> None:
         """Forget the round's draws: the next :meth:`alpha` of each arm draws afresh from its posterior."""
@@ -338,6 +342,36 @@ class Acceptance:
         rs, rf = row.acceptance.get(arm, (0.0, 0.0))
         return (rs + self.prior * self.shared_mean(arm)) / (rs + rf + self.prior)
 
+    def observe_nodes(self, arm: int, nodes: int, path: list[int]) -> None:
+        """A tree-drafting arm's round: which of its draft's ``nodes`` nodes (by rank) the verifier accepted."""
+        counts = self.ranks.setdefault(arm, [])
+        counts.extend([0.0, 0.0] for _ in range(nodes - len(counts)))
+        for i in range(nodes):
+            counts[i][0] += 1
+        for i in path:
+            counts[i][1] += 1
+
+    def tree_gains(self, row: "Row", arm: int, nodes: int) -> list[float]:
+        """E[K]: the tokens a round of the row's tree-drafting arm expects with its draft cut to its first K nodes,
+        for K = 0 … ``nodes``. By linearity of expectation 1 + Σ_{i ≤ K} p_i, p_i = P(the draft's i-th node is
+        accepted): exact for a prefix cut, in whatever order the arm numbers its nodes (an EAGLE tree by value, a
+        union breadth-first), because whether a node is accepted depends only on the nodes before it. One α per
+        level of the tree (before) overrated a tree's first nodes: a level was counted as reached by its first
+        node, so a cut at one node of a two-wide level was credited with what both buy, and trees drafted at
+        B = 16 where plain rounds paid more. p_i is learnt over every row, shrunk towards α^i (the i-th position of
+        a chain drafted with the arm's shared α: optimistic for a tree's later nodes, so a node rank no cut has
+        reached yet is tried, and the data then say what it is worth) by ``prior`` pseudo-rounds; the row's own
+        rounds scale it as they scale a chain's (its α's chain of K against the shared α's)."""
+        shared, own = self.shared_mean(arm), self.alpha(row, arm)
+        counts = self.ranks.get(arm, [])
+        out, total, chain_shared, chain_own = [1.0], 0.0, 0.0, 0.0
+        for K in range(1, nodes + 1):
+            reached, hits = counts[K - 1] if K <= len(counts) else (0.0, 0.0)
+            total += (hits + self.prior * shared ** K) / (reached + self.prior)
+            chain_shared, chain_own = chain_shared + shared ** K, chain_own + own ** K
+            out.append(1 + total * (chain_own / chain_shared if chain_shared > 0 else 1.0))
+        return out
+
 
 def fill_holes(n: int, leaving: set[int]) -> list[int]:
     """Which of ``n`` rows to keep when the rows ``leaving`` go, in their new order: a kept row in the first
@@ -364,11 +398,16 @@ def _needs_hidden(row: Row) -> bool:
 Lengths = int | tuple[int, ...]  # a row's draft: a chain of n tokens, or the lengths of the chains a union merges
 
 
+def _branches(arm: Arm) -> bool:
+    """Whether the arm's draft is a tree in a batched round (:func:`_draft_lengths` gives it as chains)."""
+    return sum(part.width for part in arm.parts) > 1
+
+
 def _draft_lengths(arm: Arm, cap: int, pieces: list[Draft | None] | None = None) -> Lengths:
     """What the row's arm drafts up to ``cap`` tokens, for the joint length: a chain's length (its cap, or the
-    length of a model-free draft already made), a union's per part (a tuple: :func:`tree_depth`); a module's tree
-    along its chain (an EAGLE ``expand=1`` tree: ``width`` nodes a depth) as that many chains, whose levels hold as
-    many nodes; ``pieces``: the parts' drafts where made (None for a part a module drafts later)."""
+    length of a model-free draft already made), a union's per part (a tuple: a tree, whose nodes are what count:
+    :meth:`Acceptance.tree_gains`); a module's tree along its chain (an EAGLE ``expand=1`` tree: ``width`` nodes a
+    depth) as that many chains; ``pieces``: the parts' drafts where made (None for a part a module drafts later)."""
     if not cap:
         return 0
     pieces = pieces or [None] * len(arm.parts)
@@ -380,23 +419,6 @@ def _draft_lengths(arm: Arm, cap: int, pieces: list[Draft | None] | None = None)
 def expected_tokens(alpha: float, k: int) -> float:
     """1 + α + … + α^k: a chain of k drafts whose positions each survive with probability α, plus the bonus."""
     return float(sum(alpha ** i for i in range(k + 1)))
-
-
-def tree_depth(K: int, lengths: Lengths) -> int:
-    """How deep a row's draft cut to its first K positions reaches: a chain of n tokens, min(K, n); chains merged
-    into one tree (a union's parts) and cut to K nodes breadth-first, the depth they reach when no two chains share
-    a node (level j then holds one node per chain longer than j - 1), the least they reach. Counted as a chain of K
-    (before), two chains of 2 and 4 tokens cut to 4 nodes were modelled 4 deep where they reach 2: the joint length
-    overrated what a union's positions buy."""
-    if isinstance(lengths, int):
-        return min(K, lengths)
-    depth, left = 0, K
-    while left > 0:
-        level = sum(1 for n in lengths if n > depth)
-        if not level:
-            break
-        depth, left = depth + 1, left - level
-    return depth
 
 
 def _widest(lengths: Lengths) -> int:
@@ -413,20 +435,33 @@ def _nodes(K: int, lengths: Lengths) -> int:
 Cost = Callable[[int, int | None], float]
 
 
-def joint_length(alphas: list[float], caps: list[Lengths], cost: Cost) -> int:
-    """The draft length K every row drafts (up to its cap) that maximises the batch's expected tokens per unit of
-    cost: argmax_K Σ_r E(α_r, depth_r(K)) / cost(1 + K, n(K)), depth_r(K) = :func:`tree_depth` (a chain's
-    min(K, cap_r)), n(K) = Σ_r (1 + the row's positions cut to K): a ragged block costs its real positions, so a
-    few rows drafting long cost what they add, not a block that wide for every row; the shortest K among ties."""
-    return best_length(alphas, caps, cost)[0]
+# what a row's draft cut to K positions is expected to yield: a chain's acceptance α per position, or a tree's
+# expected tokens for each K (learnt per node rank: :meth:`Acceptance.tree_gains`; past its end, its last)
+Gain = float | list[float]
 
 
-def best_length(alphas: list[float], caps: list[Lengths], cost: Cost) -> tuple[int, float]:
+def _expected(gain: Gain, K: int, lengths: Lengths) -> float:
+    if isinstance(gain, list):
+        return gain[min(K, len(gain) - 1)]
+    if not isinstance(lengths, int):
+        raise TypeError(f"a tree's draft {lengths} needs its expected tokens per node count, not one α ({gain})")
+    return expected_tokens(gain, min(K, lengths))
+
+
+def joint_length(gains: list[Gain], caps: list[Lengths], cost: Cost) -> int:
+    """The number of draft positions K every row drafts (up to its cap) that maximises the batch's expected tokens
+    per unit of cost: argmax_K Σ_r E_r(K) / cost(1 + K, n(K)), E_r(K) = :func:`_expected`, n(K) = Σ_r (1 + the
+    row's positions cut to K): a ragged block costs its real positions, so a few rows drafting long cost what they
+    add, not a block that wide for every row; the shortest K among ties."""
+    return best_length(gains, caps, cost)[0]
+
+
+def best_length(gains: list[Gain], caps: list[Lengths], cost: Cost) -> tuple[int, float]:
     """:func:`joint_length`'s K and the expected tokens per unit of cost it gives."""
     best, best_value = 0, -1.0
-    for K in range(max(map(_widest, caps), default=0) + 1):
+    for K in range(max((_nodes(sys.maxsize, c) for c in caps), default=0) + 1):
         n = sum(1 + _nodes(K, c) for c in caps)
-        value = sum(expected_tokens(a, tree_depth(K, c)) for a, c in zip(alphas, caps)) / cost(1 + K, n)
+        value = sum(_expected(g, K, c) for g, c in zip(gains, caps)) / cost(1 + K, n)
         if value > best_value * (1 + 1e-9):
             best, best_value = K, value
     return best, best_value
@@ -681,8 +716,7 @@ class BatchEngine:
             tp, housekeeping = time.perf_counter(), self._housekeeping
             self._seed_cost(max(caps) + 1, context)
             probe, self._housekeeping = time.perf_counter() - tp, housekeeping  # the probe's is in its own time
-            alphas = [self.acceptance.alpha(r, i) for r, i in zip(self.rows, picks)]
-            caps, steps, K = self._module_rows_draft(alphas, caps, picks, context)
+            caps, steps, K = self._module_rows_draft(caps, picks, context)
             # if no K pays even when every row drafts its cap, none can once they have drafted (a draft is at most
             # its cap, and a shorter one only lowers what K buys): no row drafts, so no lookup or module forward
             # is spent on a round that verifies one position per row
@@ -699,7 +733,7 @@ class BatchEngine:
             # K is chosen jointly on the lengths the rows would draft (a union's per chain), then every draft is cut
             # to K positions (a tree to its first K nodes, breadth-first)
             would = [_draft_lengths(r.arms[i], c, ps) for r, i, ps, c in zip(self.rows, picks, pieces, caps)]
-            cut = joint_length(alphas, would, steps)
+            cut = joint_length(self._gains(picks, would), would, steps)
             pieces = [[p if p is None else p.prefix(cut) for p in ps] for ps in pieces]
             caps = [min(c, cut) for c in caps]
         module_rows = [b for b, ps in enumerate(pieces) if any(p is None for p in ps) and caps[b]]
@@ -805,6 +839,9 @@ class BatchEngine:
                 r.scorer.settle(r.policy, r.pending, r.rounds, r.tokens, finished=r.done)
             feedback += time.perf_counter() - tf
             self.acceptance.observe(r, i, draft_depth(d), outcome.accepted)
+            if len(d) and _branches(r.arms[i]):  # its tree's nodes by rank (a chain's when nothing branched)
+                path = range(outcome.accepted) if outcome.path is None else outcome.path
+                self.acceptance.observe_nodes(i, len(d), path)
             if len(d):
                 a_ = float(rec.accepted)
                 self.ema_accepted = a_ if self.ema_accepted is None else 0.9 * self.ema_accepted + 0.1 * a_
@@ -875,20 +912,26 @@ class BatchEngine:
             caps.append(max(reach.values(), default=0))
         return alphas, caps
 
-    def _module_rows_draft(self, alphas: list[float], caps: list[int], picks: list[int],
-                           context: int) -> tuple[list[int], Cost, int]:
+    def _gains(self, picks: list[int], shapes: list[Lengths]) -> list[Gain]:
+        """What each row's draft of that shape is expected to yield (:data:`Gain`): a chain's α, a tree's expected
+        tokens per node count (:meth:`Acceptance.tree_gains`)."""
+        return [self.acceptance.alpha(r, i) if isinstance(c, int) else
+                self.acceptance.tree_gains(r, i, _nodes(sys.maxsize, c)) for r, i, c in zip(self.rows, picks, shapes)]
+
+    def _module_rows_draft(self, caps: list[int], picks: list[int], context: int) -> tuple[list[int], Cost, int]:
         """(caps, cost, the joint K on those caps) for this round: with the rows whose arm drafts with a module
         drafting, their module's forwards counted (:meth:`_steps`), or those rows not drafting at all, whichever
         expects more tokens per unit of cost; the other rows' cheap drafts stay possible either way."""
         modules = [_drafts_with_module(r, i) for r, i in zip(self.rows, picks)]
         steps = self._steps(context, sum(bool(m and c) for m, c in zip(modules, caps)))
         shapes = [_draft_lengths(r.arms[i], c) for r, i, c in zip(self.rows, picks, caps)]
-        K, value = best_length(alphas, shapes, steps)
+        gains = self._gains(picks, shapes)
+        K, value = best_length(gains, shapes, steps)
         if not any(m and c for m, c in zip(modules, caps)):
             return caps, steps, K
         without = [0 if m else c for m, c in zip(modules, caps)]
         plain = self._steps(context, 0)
-        K_without, value_without = best_length(alphas, [0 if m else s for m, s in zip(modules, shapes)], plain)
+        K_without, value_without = best_length(gains, [0 if m else s for m, s in zip(modules, shapes)], plain)
         return (without, plain, K_without) if value_without >= value else (caps, steps, K)
 
     def _steps(self, context: int, modules: int, counterfactual: int = 0) -> Cost:
@@ -908,10 +951,12 @@ class BatchEngine:
     def estimates(self) -> dict:
         """What the cost controller's choices rest on now, for the record (``decode eval --batch`` keeps it after each
         segment, so a run whose adaptive method stopped drafting shows which estimate closed it): per arm index the
-        shared acceptance counts [accepted, rejections], a module forward's seconds per number of drafting rows, per
+        shared acceptance counts [accepted, rejections] (a tree-drafting arm's also per node rank [drafted, accepted]),
+        a module forward's seconds per number of drafting rows, per
         (B, kind) the cost correction (median, rounds), a round's own seconds per row per kind, and a full-information
         policy's feedback seconds per row. Each of them is refreshed only by rounds of the kind it prices."""
         return {"acceptance": {str(a): list(c) for a, c in self.acceptance.shared.items()},
+                "node_ranks": {str(a): [list(c) for c in counts] for a, counts in self.acceptance.ranks.items()},
                 "module_seconds": {str(n): s for n, s in self.module_seconds.items()},
                 "calibration": {f"{B}/{k}": [statistics.median(d), len(d)] for (B, k), d in self._calibration.items()
                                 if d},

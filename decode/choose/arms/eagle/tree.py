@@ -7,7 +7,9 @@ confidences along its path; at each depth the ``expand`` (default ``topk``) most
 layer are expanded (fed to the head in one forward with a tree attention mask, decode/core/tree.py
 ``tree_attention``) into their ``topk`` most likely children; finally the ``nodes`` most valuable
 nodes are kept (a child is never worth more than its parent, so a kept node's ancestors are kept) and
-numbered breadth-first, siblings by value.
+numbered by value, best first: every prefix of the draft is then the tree of its most valuable nodes, so a
+batched round that cuts it to K positions keeps its K best (decode/engine/batch.py; siblings stay in value order,
+which the verifier tries them in).
 ``expand=1`` (a deviation from EAGLE-2, which expands ``topk``) is the greedy chain with each position's
 ``topk - 1`` runner-up tokens as leaves: one head row per depth, so it drafts at the chain's cost, and the
 runner-ups cover a first-position miss (the chain's most frequent loss) for the price of verifying them.
@@ -135,13 +137,12 @@ class EagleTreeArm(_EagleTreeBase):
 
 class TreeNodes:
     """Every node a dynamic tree made: its token, parent (-1: a root child), value (the product of the head's
-    confidences along its path) and depth."""
+    confidences along its path)."""
 
     def __init__(self):
         self.tok: list[int] = []
         self.par: list[int] = []
         self.val: list[float] = []
-        self.dep: list[int] = []
 
     def add_children(self, parent: int, dist: torch.Tensor, topk: int) -> range:
         """The ``topk`` most likely tokens of ``dist`` as children of ``parent``; returns the new nodes."""
@@ -153,7 +154,6 @@ class TreeNodes:
                 self.tok.append(t)
                 self.par.append(parent)
                 self.val.append(base * p)
-                self.dep.append(1 if parent < 0 else self.dep[parent] + 1)
         return range(first, len(self.tok))
 
     def ranked(self, nodes: int) -> list[int]:
@@ -161,11 +161,11 @@ class TreeNodes:
         return sorted(range(len(self.tok)), key=lambda n: (-self.val[n], n))[:nodes]
 
     def draft(self, keep: list[int]) -> Draft:
-        """The nodes ``keep`` as a draft: numbered breadth-first, siblings by value."""
-        order = sorted(keep, key=lambda n: (self.dep[n], -self.val[n], n))
-        new = {n: i for i, n in enumerate(order)}
-        return Draft(torch.tensor([self.tok[n] for n in order], dtype=torch.long),
-                     parents=torch.tensor([-1 if self.par[n] < 0 else new[self.par[n]] for n in order],
+        """The nodes ``keep`` (a prefix of :meth:`ranked`) as a draft in that order: by value, best first (a
+        topological order, as a draft's must be)."""
+        new = {n: i for i, n in enumerate(keep)}
+        return Draft(torch.tensor([self.tok[n] for n in keep], dtype=torch.long),
+                     parents=torch.tensor([-1 if self.par[n] < 0 else new[self.par[n]] for n in keep],
                                           dtype=torch.long))
 
 
