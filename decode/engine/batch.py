@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import random
 import statistics
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -357,11 +356,11 @@ class Acceptance:
         accepted): exact for a prefix cut, in whatever order the arm numbers its nodes (an EAGLE tree by value, a
         union breadth-first), because whether a node is accepted depends only on the nodes before it. One α per
         level of the tree (before) overrated a tree's first nodes: a level was counted as reached by its first
-        node, so a cut at one node of a two-wide level was credited with what both buy, and trees drafted at
-        B = 16 where plain rounds paid more. p_i is learnt over every row, shrunk towards α^i (the i-th position of
-        a chain drafted with the arm's shared α: optimistic for a tree's later nodes, so a node rank no cut has
-        reached yet is tried, and the data then say what it is worth) by ``prior`` pseudo-rounds; the row's own
-        rounds scale it as they scale a chain's (its α's chain of K against the shared α's)."""
+        node, so a cut at one node of a two-wide level was credited with what both buy. p_i is learnt over every
+        row, shrunk towards α^i (the i-th position of a chain drafted with the arm's shared α: optimistic for a
+        tree's later nodes, so a node rank no cut has reached yet is tried, and the data then say what it is
+        worth) by ``prior`` pseudo-rounds; the row's own rounds scale it as they scale a chain's (its α's chain of
+        K against the shared α's)."""
         shared, own = self.shared_mean(arm), self.alpha(row, arm)
         counts = self.ranks.get(arm, [])
         out, total, chain_shared, chain_own = [1.0], 0.0, 0.0, 0.0
@@ -425,9 +424,14 @@ def _widest(lengths: Lengths) -> int:
     return lengths if isinstance(lengths, int) else max(lengths, default=0)
 
 
+def _size(lengths: Lengths) -> int:
+    """How many draft positions a row's draft holds (a union's: its chains' nodes)."""
+    return lengths if isinstance(lengths, int) else sum(lengths)
+
+
 def _nodes(K: int, lengths: Lengths) -> int:
-    """How many draft positions a row's draft cut to its first K positions holds (a union's: its chains' nodes)."""
-    return min(K, lengths if isinstance(lengths, int) else sum(lengths))
+    """How many draft positions a row's draft cut to its first K positions holds."""
+    return min(K, _size(lengths))
 
 
 # a round's cost in one-position forwards of the batch: of its block's width w and n real positions in it (None:
@@ -459,7 +463,7 @@ def joint_length(gains: list[Gain], caps: list[Lengths], cost: Cost) -> int:
 def best_length(gains: list[Gain], caps: list[Lengths], cost: Cost) -> tuple[int, float]:
     """:func:`joint_length`'s K and the expected tokens per unit of cost it gives."""
     best, best_value = 0, -1.0
-    for K in range(max((_nodes(sys.maxsize, c) for c in caps), default=0) + 1):
+    for K in range(max(map(_size, caps), default=0) + 1):
         n = sum(1 + _nodes(K, c) for c in caps)
         value = sum(_expected(g, K, c) for g, c in zip(gains, caps)) / cost(1 + K, n)
         if value > best_value * (1 + 1e-9):
@@ -916,7 +920,7 @@ class BatchEngine:
         """What each row's draft of that shape is expected to yield (:data:`Gain`): a chain's α, a tree's expected
         tokens per node count (:meth:`Acceptance.tree_gains`)."""
         return [self.acceptance.alpha(r, i) if isinstance(c, int) else
-                self.acceptance.tree_gains(r, i, _nodes(sys.maxsize, c)) for r, i, c in zip(self.rows, picks, shapes)]
+                self.acceptance.tree_gains(r, i, _size(c)) for r, i, c in zip(self.rows, picks, shapes)]
 
     def _module_rows_draft(self, caps: list[int], picks: list[int], context: int) -> tuple[list[int], Cost, int]:
         """(caps, cost, the joint K on those caps) for this round: with the rows whose arm drafts with a module
