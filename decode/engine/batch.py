@@ -440,21 +440,26 @@ Cost = Callable[[int, int | None], float]
 
 
 # what a row's draft cut to K positions is expected to yield: a chain's acceptance α per position, or a tree's
-# expected tokens for each K (learnt per node rank: :meth:`Acceptance.tree_gains`; past its end, its last)
+# expected tokens for each K (learnt per node rank: :meth:`Acceptance.tree_gains`)
 Gain = float | list[float]
 
 
-def _expected(gain: Gain, K: int, lengths: Lengths) -> float:
+def _curve(gain: Gain, lengths: Lengths) -> list[float]:
+    """E_r(K) for K = 0 … the row's positions: a tree's list as it is; a chain's 1 + α + … + α^K, summed once (the
+    joint length reads it at every K)."""
     if isinstance(gain, list):
-        return gain[min(K, len(gain) - 1)]
+        return gain
     if not isinstance(lengths, int):
         raise TypeError(f"a tree's draft {lengths} needs its expected tokens per node count, not one α ({gain})")
-    return expected_tokens(gain, min(K, lengths))
+    out = [1.0]
+    for k in range(1, lengths + 1):
+        out.append(out[-1] + gain ** k)
+    return out
 
 
 def joint_length(gains: list[Gain], caps: list[Lengths], cost: Cost) -> int:
     """The number of draft positions K every row drafts (up to its cap) that maximises the batch's expected tokens
-    per unit of cost: argmax_K Σ_r E_r(K) / cost(1 + K, n(K)), E_r(K) = :func:`_expected`, n(K) = Σ_r (1 + the
+    per unit of cost: argmax_K Σ_r E_r(K) / cost(1 + K, n(K)), E_r(K) = :func:`_curve` (past its end, its last), n(K) = Σ_r (1 + the
     row's positions cut to K): a ragged block costs its real positions, so a few rows drafting long cost what they
     add, not a block that wide for every row; the shortest K among ties."""
     return best_length(gains, caps, cost)[0]
@@ -463,9 +468,10 @@ def joint_length(gains: list[Gain], caps: list[Lengths], cost: Cost) -> int:
 def best_length(gains: list[Gain], caps: list[Lengths], cost: Cost) -> tuple[int, float]:
     """:func:`joint_length`'s K and the expected tokens per unit of cost it gives."""
     best, best_value = 0, -1.0
+    curves = [_curve(g, c) for g, c in zip(gains, caps)]
     for K in range(max(map(_size, caps), default=0) + 1):
         n = sum(1 + _nodes(K, c) for c in caps)
-        value = sum(_expected(g, K, c) for g, c in zip(gains, caps)) / cost(1 + K, n)
+        value = sum(e[min(K, len(e) - 1)] for e in curves) / cost(1 + K, n)
         if value > best_value * (1 + 1e-9):
             best, best_value = K, value
     return best, best_value
