@@ -42,7 +42,8 @@ jointly for the batch on the lengths d_r actually drafted, to maximise Σ_rows E
 with n(K) = Σ_rows (1 + min(K, d_r)) (a few rows drafting long cost what they add) and E(k) = 1 + α + … + α^k (the
 expected tokens of a chain whose positions each survive with α; a tree's, per node rank: below). When a row's arm
 drafts with a module (an EAGLE head, a drafter, a union holding one), the cost adds that module's forwards (a
-catch-up and one per draft position, at the seconds the rounds measured), and the module's rows are left out of the
+catch-up and one per position of the module's chain, at the seconds the rounds measured: a union's or an EAGLE tree's
+cut to K nodes drafts its head's chain to depth min(K, L), not K), and the module's rows are left out of the
 round when the others' cheap drafts alone expect more per unit of cost. The cost also counts the round's own work
 per row outside the forwards (policies, lookups, verification, commits, compaction), measured apart for rounds in
 which rows drafted, rounds in which rows chose and none drafted, and rounds the gate made plain (what drafting is
@@ -387,6 +388,13 @@ def fill_holes(n: int, leaving: set[int]) -> list[int]:
 def _drafts_with_module(row: Row, arm: int) -> bool:
     """Whether the row's arm ``arm`` (or a part of it, in a union) drafts with a batch drafter's module."""
     return any((arm, j) in row.drafters for j in range(len(row.arms[arm].parts)))
+
+
+def _module_depth(row: Row, arm: int, cap: int) -> int:
+    """The draft positions the row's arm ``arm`` drafts with a module in a round whose drafts are cut to ``cap``
+    positions: its module parts' longest chain (each part drafts up to its own L); 0 when no part drafts with one.
+    A union's or an EAGLE tree's cut to K nodes costs its module this many forwards after the catch-up, not K."""
+    return max((min(part.L, cap) for j, part in enumerate(row.arms[arm].parts) if (arm, j) in row.drafters), default=0)
 
 
 def _needs_hidden(row: Row) -> bool:
@@ -747,6 +755,7 @@ class BatchEngine:
             pieces = [[p if p is None else p.prefix(cut) for p in ps] for ps in pieces]
             caps = [min(c, cut) for c in caps]
         module_rows = [b for b, ps in enumerate(pieces) if any(p is None for p in ps) and caps[b]]
+        depth = max((_module_depth(self.rows[b], picks[b], caps[b]) for b in module_rows), default=0)
         ta, (fed, backlog) = time.perf_counter(), self._drafter_seconds()
         self._propose_batched(picks, caps, pieces)
         if module_rows:  # a catch-up forward, then one per draft position (the drafts are on the host: synchronised)
@@ -758,7 +767,7 @@ class BatchEngine:
             joins = fed_now - fed
             self._housekeeping += joins
             module_time = time.perf_counter() - ta - joins - (backlog_now - backlog)
-            per = module_time / (1 + max(caps[b] for b in module_rows))
+            per = module_time / (1 + depth)
             last = self.module_seconds.get(len(module_rows))
             self.module_seconds[len(module_rows)] = per if last is None else 0.8 * last + 0.2 * per
         drafts = [r.arms[i].combine(ps, cut) for r, i, ps in zip(self.rows, picks, pieces)]
@@ -768,7 +777,8 @@ class BatchEngine:
         # what the model charges for this round as it is played, in seconds (before the forward updates the curve)
         one = self._one_seconds(B, context) if self.length == "cost" else None
         n = sum(lens)  # the block's real positions (a ragged block's forward scores these only)
-        modelled = self.modelled_steps(context, len(module_rows), closed=plain)(W, n) * one if one else None  # played
+        modelled = (self.modelled_steps(context, len(module_rows), closed=plain, depth=depth)(W, n) * one if one
+                    else None)  # as played
         ids = torch.full((B, W), self.pad_id, dtype=torch.long)
         pos = torch.zeros(B, W, dtype=torch.long)
         block_valid = torch.zeros(B, W, dtype=torch.bool)
@@ -892,7 +902,9 @@ class BatchEngine:
         for modules in (False, True):  # the arms that draft with a module pay its forwards too (:meth:`_steps`)
             alphas, caps = self._best_case(modules)
             drafting = sum(map(bool, caps)) if modules else 0  # rows drafting with a module
-            steps = self._steps(context, drafting, counterfactual=scoring)
+            depth = max((_module_depth(r, i, max(0, min(a.L, r.remaining - 1))) for r in self.rows
+                         for i, a in enumerate(r.arms)), default=0) if modules else None
+            steps = self._steps(context, drafting, counterfactual=scoring, depth=depth)
             if max(caps) and joint_length(alphas, caps, steps) > 0:
                 if modules:
                     return False
@@ -933,7 +945,8 @@ class BatchEngine:
         drafting, their module's forwards counted (:meth:`_steps`), or those rows not drafting at all, whichever
         expects more tokens per unit of cost; the other rows' cheap drafts stay possible either way."""
         modules = [_drafts_with_module(r, i) for r, i in zip(self.rows, picks)]
-        steps = self._steps(context, sum(bool(m and c) for m, c in zip(modules, caps)))
+        depth = max((_module_depth(r, i, c) for r, i, c in zip(self.rows, picks, caps)), default=0)
+        steps = self._steps(context, sum(bool(m and c) for m, c in zip(modules, caps)), depth=depth)
         shapes = [_draft_lengths(r.arms[i], c) for r, i, c in zip(self.rows, picks, caps)]
         gains = self._gains(picks, shapes)
         K, value = best_length(gains, shapes, steps)
@@ -944,14 +957,14 @@ class BatchEngine:
         K_without, value_without = best_length(gains, [0 if m else s for m, s in zip(modules, shapes)], plain)
         return (without, plain, K_without) if value_without >= value else (caps, steps, K)
 
-    def _steps(self, context: int, modules: int, counterfactual: int = 0) -> Cost:
+    def _steps(self, context: int, modules: int, counterfactual: int = 0, depth: int | None = None) -> Cost:
         """:meth:`modelled_steps`, corrected by what rounds at this batch size cost against it (:meth:`calibration`):
         for w > 1 a drafting round's, for w = 1 a closed round's (what drafting is weighed against: ``CLOSED``),
         each with its own work and correction; with ``counterfactual`` rows whose full-information feedback a
         drafting round would still make, w > 1 adds its seconds for them
         (:meth:`counterfactual_seconds`; once the rows have looked up, the choice of K leaves it out: paid either
-        way)."""
-        model = self.modelled_steps(context, modules, closed=True)
+        way); ``depth``: :meth:`modelled_steps`'."""
+        model = self.modelled_steps(context, modules, closed=True, depth=depth)
         B = len(self.rows)
         plain, spec = self.calibration(B, CLOSED), self.calibration(B, DRAFTING)
         one = self._one_seconds(B, context) if counterfactual else None
@@ -1012,12 +1025,15 @@ class BatchEngine:
                 return statistics.median(pooled)
         return 1.0
 
-    def modelled_steps(self, context: int, modules: int, closed: bool = False) -> Cost:
+    def modelled_steps(self, context: int, modules: int, closed: bool = False, depth: int | None = None) -> Cost:
         """The modelled cost of a round whose block is w positions per row, n of them real (None: every row fills
         the block), in one-position forwards of the batch: the block's c_B(w, n), plus, when ``modules`` rows draft
-        with a module (an EAGLE head, a drafter), the module's w forwards (a catch-up and w - 1 draft steps) at their
-        measured seconds for that many rows (:meth:`module_seconds_at`): at large B a head's steps cost as much as
-        the block's extra positions, and a length that ignored them speculated at a loss. Plus the round's own work
+        with a module (an EAGLE head, a drafter), the module's forwards (a catch-up and one per position its chain
+        drafts: w - 1, at most ``depth``, the longest module chain the rows draft, e.g. an EAGLE tree's L or a
+        union's head part's; None: w - 1) at their measured seconds for that many rows (:meth:`module_seconds_at`):
+        at large B a head's steps cost as much as the block's extra positions, and a length that ignored them
+        speculated at a loss. A tree cut to K nodes drafts its head's chain to depth min(K, depth), not K: charged
+        1 + K forwards, the shipped pool's 6-node union at B = 1 looked ~0.3 steps dearer than it was. Plus the round's own work
         (:meth:`round_work`: a drafting round's when w > 1, else a plain round's, or with ``closed`` a closed
         round's), which at B = 16 on the EPYC was 1.7 ms a row in drafting rounds against 0.45 ms in plain ones, a
         third of a forward."""
@@ -1030,7 +1046,7 @@ class BatchEngine:
         def steps(w: int, n: int | None = None) -> float:
             total = self.block_steps(B, w, context, n) + work[w > 1]
             if module and w > 1 and one:
-                total += module * w / one
+                total += module * (w if depth is None else 1 + min(w - 1, depth)) / one
             return total
         return steps
 
