@@ -508,9 +508,9 @@ def test_cost_lengths_count_the_modules_own_forwards(model, monkeypatch, module_
 
 def test_a_tree_cut_to_k_nodes_costs_its_module_the_forwards_of_its_heads_chain(model):
     """A union's draft (or an EAGLE tree's) cut to K positions has its head draft a chain to depth min(K, L), so
-    length=cost charges the module 1 + min(K, L) forwards, not 1 + K: with a head forward at a tenth of a step and
+    length=cost charges the module 1 + min(K, L) forwards, not 1 + K: with a head forward at 0.3 of a step and
     extra positions free, the union (head chain of 3 + pld:L=2 + suffix:L=3) drafts all its nodes, where 1 + K
-    forwards stopped it at 2."""
+    forwards stopped it at 3."""
     eng = _engine(model, _module(model, "eagle1"), pool=("union", "tree", "neural@2", "pld:L=3", "none"),
                   policy="fixed:arm=0", length="cost")
     eng.add(PROMPTS[0], 16)
@@ -520,14 +520,14 @@ def test_a_tree_cut_to_k_nodes_costs_its_module_the_forwards_of_its_heads_chain(
     eng.block_steps = lambda B, W, context, n=None: 1.0
     eng.overhead_steps = lambda B, w, one, **_: 0.0
     eng._one_seconds = lambda B, context: 0.1
-    eng.module_seconds = {1: 0.01}
-    assert eng._steps(300, 1, depth=3)(7) == pytest.approx(1 + 4 * 0.1)  # a catch-up and 3 draft steps
-    assert eng._steps(300, 1)(7) == pytest.approx(1 + 7 * 0.1)  # a chain: one per position
-    eng.acceptance.rng = None  # posterior means: no data, α = 1/2, so node i is worth 2^-i
+    eng.module_seconds = {1: 0.03}
+    assert eng._steps(300, 1, depth=3)(7) == pytest.approx(1 + 4 * 0.3)  # a catch-up and 3 draft steps
+    assert eng._steps(300, 1)(7) == pytest.approx(1 + 7 * 0.3)  # a chain: one per position
+    eng.acceptance.rng = None  # posterior means: no data, α = 1/2, so a node at depth d is worth 2^-d
     shape = _draft_lengths(row.arms[0], 6)
     assert shape == (3, 2, 3)
     gains = eng._gains([0], [shape])
-    assert best_length(gains, [shape], eng._steps(300, 1))[0] == 2  # charged 1 + K forwards
+    assert best_length(gains, [shape], eng._steps(300, 1))[0] == 3  # charged 1 + K forwards
     caps, _, K = eng._module_rows_draft([6], [0], 300)
     assert caps == [6] and K == 8  # every node: past the head's depth more nodes cost it nothing
     eng.rows = []

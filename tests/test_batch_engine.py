@@ -248,14 +248,20 @@ def test_a_trees_cut_is_valued_by_what_its_first_K_nodes_yield_per_node_rank():
         acc.observe_nodes(0, 3, [0, 2] if first and r % 10 < 4 else [0] if first else [1] if r % 10 == 6 else [])
     row = SimpleNamespace(acceptance={})
     acc.shared[0] = [1.0, 1.0]  # α = 0.5 (a row with no rounds of its own reads the shared mean: no scaling)
-    gains = acc.tree_gains(row, 0, 3)
+    gains = acc.tree_gains(row, 0, (2, 1))  # two root chains: nodes 0 and 1 at depth 1, node 2 at depth 2
     assert gains == pytest.approx([1.0, 1.6, 1.7, 2.1], abs=2e-3)
-    assert acc.tree_gains(row, 0, 5)[4] > gains[3]  # ranks never drafted: their optimistic prior α^i, so tried
+    assert acc.tree_gains(row, 0, (2, 2, 1))[4] > gains[3]  # ranks never drafted: their optimistic prior, so tried
+    # a rank no round reached is priced at α^d, d the shallowest depth it can have (breadth-first), not α^rank: a
+    # union's 6th node at depth 2 is worth α² = 0.25 until its rounds say otherwise (α^6 = 0.016 kept cuts short)
+    fresh = Acceptance()
+    fresh.shared[0] = [1.0, 1.0]
+    steps = [b - a for a, b in zip(fresh.tree_gains(row, 0, (3, 3, 4)), fresh.tree_gains(row, 0, (3, 3, 4))[1:])]
+    assert steps == pytest.approx([0.5] * 3 + [0.25] * 3 + [0.125] * 3 + [0.0625])
     cost = lambda w, n=None: 1.0 + 0.3 * (w - 1)  # noqa: E731  (one row: each position 0.3 of a step)
     assert joint_length([gains], [(2, 2)], cost) == 1  # 1.6 / 1.3 beats 1.7 / 1.6 and 2.1 / 1.9
     assert joint_length([gains], [(2, 2)], lambda w, n=None: 1.0 + 0.05 * (w - 1)) == 3  # flat: every node pays
     own = SimpleNamespace(acceptance={0: [30.0, 10.0]})  # a row whose own rounds accept more than the shared α
-    assert all(a > b for a, b in zip(acc.tree_gains(own, 0, 3)[1:], gains[1:]))
+    assert all(a > b for a, b in zip(acc.tree_gains(own, 0, (2, 1))[1:], gains[1:]))
 
 
 @pytest.mark.parametrize("max_batch", [None, 2])

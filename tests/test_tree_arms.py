@@ -16,7 +16,8 @@ from decode.choose.policies import build_policy
 from decode.core.sampling import SamplingConfig, probs
 from decode.common.specs import split_specs
 from decode.core.target import Target
-from decode.core.tree import children, leaf_chains
+from decode.core.draft import Draft
+from decode.core.tree import children, leaf_chains, merge_chains
 from decode.core.verify import Verifier
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 
@@ -261,3 +262,14 @@ def test_dynamic_tree_nodes_are_numbered_by_value_so_every_prefix_is_the_best_tr
     draft = nodes.draft(nodes.ranked(4))
     assert draft.tokens.tolist() == [0, 2, 1, 1] and draft.parents.tolist() == [-1, 0, 0, -1]
     assert draft.prefix(2).tokens.tolist() == [0, 2] and not draft.prefix(2).is_tree  # the chain, not a sibling
+    # merged again with another chain (a union), each depth's nodes stay best first: the head's top token, then its
+    # runner-up, then the lookup's. Taken in the order of their leaves, the runner-up at depth 1 (a leaf numbered
+    # before the chain's deeper node) came first, and a cut to one node kept it
+    nodes = TreeNodes()
+    a, b = nodes.add_children(-1, torch.tensor([0.6, 0.4, 0.0]), topk=2)  # tokens 0 (0.6) and 1 (0.4)
+    nodes.add_children(a, torch.tensor([0.0, 0.4, 0.6]), topk=1)  # token 2 (0.36)
+    draft = nodes.draft(nodes.ranked(3))
+    assert draft.tokens.tolist() == [0, 1, 2] and draft.parents.tolist() == [-1, -1, 0]
+    assert [c.tokens.tolist() for c in leaf_chains(draft)] == [[0, 2], [1]]
+    union = merge_chains(leaf_chains(draft) + [Draft(torch.tensor([3, 4]))])
+    assert union.tokens.tolist() == [0, 1, 3, 2, 4] and union.prefix(1).tokens.tolist() == [0]

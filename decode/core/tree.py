@@ -93,12 +93,16 @@ def tree_attention(parents: torch.Tensor, prefix: int, kv_len: int, dtype: torch
 
 def leaf_chains(draft: Draft) -> list[Draft]:
     """A draft as chains: itself for a chain, else one chain per root-to-leaf path (per entry of
-    ``chain_ends`` when set, duplicates included: each is its own draw), with their q rows."""
+    ``chain_ends`` when set, duplicates included: each is its own draw), with their q rows. A tree's paths
+    come in the order of their nodes (compared from the root): in a tree numbered by value, best first, the
+    chain of the best nodes leads, so chains merged again (:func:`merge_chains`, a union) keep each depth's
+    nodes best first. In the order of their leaves, an EAGLE tree's runner-up at depth 1 (a leaf numbered
+    before the chain's deeper ones) became a union's first node, which a batched round cut to one node kept."""
     if not draft.is_tree and draft.chain_ends is None:
         return [draft] if len(draft) else []
     parents = draft.parents.tolist()
     ends = draft.chain_ends.tolist() if draft.chain_ends is not None else \
-        [n for n, kids in enumerate(children(parents)[1:]) if not kids]
+        sorted((n for n, kids in enumerate(children(parents)[1:]) if not kids), key=lambda n: root_path(parents, n))
     out = []
     for e in ends:
         idx = torch.tensor(root_path(parents, e), dtype=torch.long)

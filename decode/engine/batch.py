@@ -351,26 +351,35 @@ class Acceptance:
         for i in path:
             counts[i][1] += 1
 
-    def tree_gains(self, row: "Row", arm: int, nodes: int) -> list[float]:
+    def tree_gains(self, row: "Row", arm: int, lengths: tuple[int, ...]) -> list[float]:
         """E[K]: the tokens a round of the row's tree-drafting arm expects with its draft cut to its first K nodes,
-        for K = 0 … ``nodes``. By linearity of expectation 1 + Σ_{i ≤ K} p_i, p_i = P(the draft's i-th node is
+        for K = 0 … its nodes (the tree of the chains ``lengths``: :func:`_draft_lengths`). By linearity of expectation 1 + Σ_{i ≤ K} p_i, p_i = P(the draft's i-th node is
         accepted): exact for a prefix cut, in whatever order the arm numbers its nodes (an EAGLE tree by value, a
         union breadth-first), because whether a node is accepted depends only on the nodes before it. One α per
         level of the tree (before) overrated a tree's first nodes: a level was counted as reached by its first
         node, so a cut at one node of a two-wide level was credited with what both buy. p_i is learnt over every
-        row, shrunk towards α^i (the i-th position of a chain drafted with the arm's shared α: optimistic for a
-        tree's later nodes, so a node rank no cut has reached yet is tried, and the data then say what it is
-        worth) by ``prior`` pseudo-rounds; the row's own rounds scale it as they scale a chain's (its α's chain of
-        K against the shared α's)."""
+        row, shrunk by ``prior`` pseudo-rounds towards α^d, d the shallowest depth the i-th node can have (its depth
+        in the tree's breadth-first order), α the arm's shared acceptance per position: the nodes of a depth are
+        accepted together about as often as a chain's position there, so α^d bounds one of them from above, and a
+        node rank no cut has reached yet is tried before the data say what it is worth. α^i (a chain's i-th
+        position) was the prior before: a 10-node union's 6th node, at depth 2, was priced at α^6 ≈ 0.03, and its
+        cuts stayed at 5 nodes. The row's own rounds scale p_i as they scale a chain's (its α's sum against the
+        shared α's)."""
         shared, own = self.shared_mean(arm), self.alpha(row, arm)
         counts = self.ranks.get(arm, [])
         out, total, chain_shared, chain_own = [1.0], 0.0, 0.0, 0.0
-        for K in range(1, nodes + 1):
+        for K, d in enumerate(_breadth_first_depths(lengths), 1):
             reached, hits = counts[K - 1] if K <= len(counts) else (0.0, 0.0)
-            total += (hits + self.prior * shared ** K) / (reached + self.prior)
-            chain_shared, chain_own = chain_shared + shared ** K, chain_own + own ** K
+            total += (hits + self.prior * shared ** d) / (reached + self.prior)
+            chain_shared, chain_own = chain_shared + shared ** d, chain_own + own ** d
             out.append(1 + total * (chain_own / chain_shared if chain_shared > 0 else 1.0))
         return out
+
+
+def _breadth_first_depths(lengths: tuple[int, ...]) -> list[int]:
+    """The depth of each node of the tree whose root chains have ``lengths``, in breadth-first order (chains that
+    share a prefix merge into fewer nodes, so a draft's i-th node is at least this deep)."""
+    return [d for d in range(1, max(lengths, default=0) + 1) for n in lengths if n >= d]
 
 
 def fill_holes(n: int, leaving: set[int]) -> list[int]:
@@ -938,7 +947,7 @@ class BatchEngine:
         """What each row's draft of that shape is expected to yield (:data:`Gain`): a chain's α, a tree's expected
         tokens per node count (:meth:`Acceptance.tree_gains`)."""
         return [self.acceptance.alpha(r, i) if isinstance(c, int) else
-                self.acceptance.tree_gains(r, i, _size(c)) for r, i, c in zip(self.rows, picks, shapes)]
+                self.acceptance.tree_gains(r, i, c) for r, i, c in zip(self.rows, picks, shapes)]
 
     def _module_rows_draft(self, caps: list[int], picks: list[int], context: int) -> tuple[list[int], Cost, int]:
         """(caps, cost, the joint K on those caps) for this round: with the rows whose arm drafts with a module
