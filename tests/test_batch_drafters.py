@@ -22,8 +22,8 @@ from decode.core.attention import our_attention_model
 from decode.core.sampling import SamplingConfig
 from decode.core.vocab import DraftVocab
 from decode.core.verify import Verifier
-from decode.engine.batch import (DRAFTING, BatchEngine, _draft_lengths, _module_depth, best_length, check_batch_arm_specs,
-                                 check_batchable)
+from decode.engine.batch import (DRAFTING, BatchEngine, _draft_lengths, _module_depth, best_length,
+                                 check_batch_arm_specs, check_batchable)
 from helpers import model_costs_only  # noqa: F401  (autouse)
 from helpers import TinyTokenizer, plain_greedy, tiny_llama
 

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from decode.common.errors import UserError
 from decode.choose.heads import EagleHead, load_head, save_head
 from decode.core.models import load_model
+from decode.engine.batch import check_batch_arm_specs
 from decode.engine.pools import REPO_ROOT, load_pool
 from toolkit.cli import main
 
@@ -78,10 +79,11 @@ def test_the_shipped_pool_resolves_from_any_directory(tmp_path, monkeypatch):
     specs = shipped.arms
     eagle = next(s for s in specs if s.startswith("eagle:"))
     path = eagle.split("path=")[1].split(",")[0]
-    assert Path(path).is_absolute() and (Path(path) / "head.json").is_file() and "L=3" in eagle
+    assert Path(path).is_absolute() and (Path(path) / "head.json").is_file() and "tree=dynamic" in eagle
     assert (Path(path) / "SHIPPED.md").is_file() and (Path(path) / "run.json").is_file()
     union = next(s for s in specs if s.startswith("union:"))
-    assert f"eagle:path={path}:L=2+pld:L=4" in union  # the union's head: the same folder, resolved alike
+    assert f"eagle:path={path}:L=3:tree=dynamic" in union  # the union's head: the same folder, resolved alike
+    check_batch_arm_specs(specs)  # the server and decode eval --batch take the pool as it is
     assert REPO_ROOT == REPO
     pool = tmp_path / "pool.yaml"
     pool.write_text("arms: ['eagle:path=pretrained/no-such-head,L=2']\n")

@@ -3,7 +3,7 @@ a target end to end — distill → train the pool's arms → write the pool fil
 suite → its report — as one resumable command.
 
 The pool file holds the shipped pool's arms and draft-length controller (``recipes/pools/pretrained.yaml``: the
-head's chain, prompt lookup, the suffix tree, the head and prompt lookup in one tree; ``length: cost``) with every
+head's tree, prompt lookup, the suffix tree, the head's tree and prompt lookup in one tree; ``length: cost``) with every
 EAGLE arm reading the head trained here (or the head it was warm-started from, when that one scored higher on the
 same held-out answers: :func:`pool_head`).
 

@@ -353,8 +353,8 @@ class Acceptance:
 
     def tree_gains(self, row: "Row", arm: int, lengths: tuple[int, ...]) -> list[float]:
         """E[K]: the tokens a round of the row's tree-drafting arm expects with its draft cut to its first K nodes,
-        for K = 0 … its nodes (the tree of the chains ``lengths``: :func:`_draft_lengths`). By linearity of expectation 1 + Σ_{i ≤ K} p_i, p_i = P(the draft's i-th node is
-        accepted): exact for a prefix cut, in whatever order the arm numbers its nodes (an EAGLE tree by value, a
+        for K = 0 … its nodes (the tree of the chains ``lengths``: :func:`_draft_lengths`). By linearity of
+        expectation 1 + Σ_{i ≤ K} p_i, p_i = P(the draft's i-th node is accepted): exact for a prefix cut, in whatever order the arm numbers its nodes (an EAGLE tree by value, a
         union breadth-first), because whether a node is accepted depends only on the nodes before it. One α per
         level of the tree (before) overrated a tree's first nodes: a level was counted as reached by its first
         node, so a cut at one node of a two-wide level was credited with what both buy. p_i is learnt over every
@@ -476,8 +476,8 @@ def _curve(gain: Gain, lengths: Lengths) -> list[float]:
 
 def joint_length(gains: list[Gain], caps: list[Lengths], cost: Cost) -> int:
     """The number of draft positions K every row drafts (up to its cap) that maximises the batch's expected tokens
-    per unit of cost: argmax_K Σ_r E_r(K) / cost(1 + K, n(K)), E_r(K) = :func:`_curve` (past its end, its last), n(K) = Σ_r (1 + the
-    row's positions cut to K): a ragged block costs its real positions, so a few rows drafting long cost what they
+    per unit of cost: argmax_K Σ_r E_r(K) / cost(1 + K, n(K)), E_r(K) = :func:`_curve` (past its end, its last),
+    n(K) = Σ_r (1 + the row's positions cut to K): a ragged block costs its real positions, so a few rows drafting long cost what they
     add, not a block that wide for every row; the shortest K among ties."""
     return best_length(gains, caps, cost)[0]
 
@@ -1042,8 +1042,8 @@ class BatchEngine:
         union's head part's; None: w - 1) at their measured seconds for that many rows (:meth:`module_seconds_at`):
         at large B a head's steps cost as much as the block's extra positions, and a length that ignored them
         speculated at a loss. A tree cut to K nodes drafts its head's chain to depth min(K, depth), not K: charged
-        1 + K forwards, the shipped pool's 6-node union at B = 1 looked ~0.3 steps dearer than it was. Plus the round's own work
-        (:meth:`round_work`: a drafting round's when w > 1, else a plain round's, or with ``closed`` a closed
+        1 + K forwards, a 6-node union of a 2-token head chain looked 4 head forwards (~0.2 steps at B = 1 on the
+        EPYC) dearer than it was. Plus the round's own work (:meth:`round_work`: a drafting round's when w > 1, else a plain round's, or with ``closed`` a closed
         round's), which at B = 16 on the EPYC was 1.7 ms a row in drafting rounds against 0.45 ms in plain ones, a
         third of a forward."""
         B = len(self.rows)

@@ -5,7 +5,8 @@ restarts (its state is saved to --state-file after every request and on shutdown
 Defaults: the trained pool that ships for the default target (recipes/pools/pretrained.yaml) under the
 per-round router (router:carry=true); other targets get the model-free arms pld:L=4 and suffix:L=6. Requests
 wait in a fair first-come queue. With --max-batch B > 1 up to B of them decode together, continuously batched
-(decode/engine/batch.py: model-free arms; chains of EAGLE heads, drafters and early-exit layers); with B = 1 one
+(decode/engine/batch.py: model-free arms; chains of EAGLE heads, drafters and early-exit layers, an EAGLE head's
+chain with its runner-ups, unions of these); with B = 1 one
 at a time.
 --max-batch auto measures B at start when the arms and policy batch, else serves one at a time and says why.
 Stop with Ctrl-C.
