@@ -353,18 +353,18 @@ class Acceptance:
 
     def tree_gains(self, row: "Row", arm: int, lengths: tuple[int, ...]) -> list[float]:
         """E[K]: the tokens a round of the row's tree-drafting arm expects with its draft cut to its first K nodes,
-        for K = 0 … its nodes (the tree of the chains ``lengths``: :func:`_draft_lengths`). By linearity of
-        expectation 1 + Σ_{i ≤ K} p_i, p_i = P(the draft's i-th node is accepted): exact for a prefix cut, in whatever order the arm numbers its nodes (an EAGLE tree by value, a
-        union breadth-first), because whether a node is accepted depends only on the nodes before it. One α per
-        level of the tree (before) overrated a tree's first nodes: a level was counted as reached by its first
-        node, so a cut at one node of a two-wide level was credited with what both buy. p_i is learnt over every
-        row, shrunk by ``prior`` pseudo-rounds towards α^d, d the shallowest depth the i-th node can have (its depth
-        in the tree's breadth-first order), α the arm's shared acceptance per position: the nodes of a depth are
-        accepted together about as often as a chain's position there, so α^d bounds one of them from above, and a
-        node rank no cut has reached yet is tried before the data say what it is worth. α^i (a chain's i-th
-        position) was the prior before: a 10-node union's 6th node, at depth 2, was priced at α^6 ≈ 0.03, and its
-        cuts stayed at 5 nodes. The row's own rounds scale p_i as they scale a chain's (its α's sum against the
-        shared α's)."""
+        for K = 0 … its nodes (the tree of the chains ``lengths``: :func:`_draft_lengths`). By linearity of expectation
+        1 + Σ_{i ≤ K} p_i, p_i = P(the draft's i-th node is accepted): exact for a prefix cut, in whatever order the arm
+        numbers its nodes (an EAGLE tree by value, a union breadth-first), because whether a node is accepted depends
+        only on the nodes before it. One α per level of the tree (before) overrated a tree's first nodes: a level was
+        counted as reached by its first node, so a cut at one node of a two-wide level was credited with what both buy.
+        p_i is learnt over every row, shrunk by ``prior`` pseudo-rounds towards α^d, d the shallowest depth the i-th
+        node can have (its depth in the tree's breadth-first order), α the arm's shared acceptance per position: the
+        nodes of a depth are accepted together about as often as a chain's position there, so α^d bounds one of them
+        from above, and a node rank no cut has reached yet is tried before the data say what it is worth. α^i (a chain's
+        i-th position) was the prior before: a 10-node union's 6th node, at depth 2, was priced at α^6 ≈ 0.03, and its
+        cuts stayed at 5 nodes. The row's own rounds scale p_i as they scale a chain's (its α's sum against the shared
+        α's)."""
         shared, own = self.shared_mean(arm), self.alpha(row, arm)
         counts = self.ranks.get(arm, [])
         out, total, chain_shared, chain_own = [1.0], 0.0, 0.0, 0.0
@@ -476,9 +476,9 @@ def _curve(gain: Gain, lengths: Lengths) -> list[float]:
 
 def joint_length(gains: list[Gain], caps: list[Lengths], cost: Cost) -> int:
     """The number of draft positions K every row drafts (up to its cap) that maximises the batch's expected tokens
-    per unit of cost: argmax_K Σ_r E_r(K) / cost(1 + K, n(K)), E_r(K) = :func:`_curve` (past its end, its last),
-    n(K) = Σ_r (1 + the row's positions cut to K): a ragged block costs its real positions, so a few rows drafting long cost what they
-    add, not a block that wide for every row; the shortest K among ties."""
+    per unit of cost: argmax_K Σ_r E_r(K) / cost(1 + K, n(K)), E_r(K) = :func:`_curve` (past its end, its last), n(K) =
+    Σ_r (1 + the row's positions cut to K): a ragged block costs its real positions, so a few rows drafting long cost
+    what they add, not a block that wide for every row; the shortest K among ties."""
     return best_length(gains, caps, cost)[0]
 
 
@@ -1036,16 +1036,16 @@ class BatchEngine:
 
     def modelled_steps(self, context: int, modules: int, closed: bool = False, depth: int | None = None) -> Cost:
         """The modelled cost of a round whose block is w positions per row, n of them real (None: every row fills
-        the block), in one-position forwards of the batch: the block's c_B(w, n), plus, when ``modules`` rows draft
-        with a module (an EAGLE head, a drafter), the module's forwards (a catch-up and one per position its chain
-        drafts: w - 1, at most ``depth``, the longest module chain the rows draft, e.g. an EAGLE tree's L or a
-        union's head part's; None: w - 1) at their measured seconds for that many rows (:meth:`module_seconds_at`):
-        at large B a head's steps cost as much as the block's extra positions, and a length that ignored them
-        speculated at a loss. A tree cut to K nodes drafts its head's chain to depth min(K, depth), not K: charged
-        1 + K forwards, a 6-node union of a 2-token head chain looked 4 head forwards (~0.2 steps at B = 1 on the
-        EPYC) dearer than it was. Plus the round's own work (:meth:`round_work`: a drafting round's when w > 1, else a plain round's, or with ``closed`` a closed
-        round's), which at B = 16 on the EPYC was 1.7 ms a row in drafting rounds against 0.45 ms in plain ones, a
-        third of a forward."""
+        the block), in one-position forwards of the batch: the block's c_B(w, n), plus, when ``modules`` rows draft with
+        a module (an EAGLE head, a drafter), the module's forwards (a catch-up and one per position its chain drafts: w
+        - 1, at most ``depth``, the longest module chain the rows draft, e.g. an EAGLE tree's L or a union's head
+        part's; None: w - 1) at their measured seconds for that many rows (:meth:`module_seconds_at`): at large B a
+        head's steps cost as much as the block's extra positions, and a length that ignored them speculated at a loss. A
+        tree cut to K nodes drafts its head's chain to depth min(K, depth), not K: charged 1 + K forwards, a 6-node
+        union of a 2-token head chain looked 4 head forwards (~0.2 steps at B = 1 on the EPYC) dearer than it was. Plus
+        the round's own work (:meth:`round_work`: a drafting round's when w > 1, else a plain round's, or with
+        ``closed`` a closed round's), which at B = 16 on the EPYC was 1.7 ms a row in drafting rounds against 0.45 ms in
+        plain ones, a third of a forward."""
         B = len(self.rows)
         one = self._one_seconds(B, context)
         module = self.module_seconds_at(modules) if modules else None
