@@ -101,11 +101,11 @@ def leaf_chains(draft: Draft) -> list[Draft]:
     if not draft.is_tree and draft.chain_ends is None:
         return [draft] if len(draft) else []
     parents = draft.parents.tolist()
-    ends = draft.chain_ends.tolist() if draft.chain_ends is not None else \
-        sorted((n for n, kids in enumerate(children(parents)[1:]) if not kids), key=lambda n: root_path(parents, n))
+    paths = [root_path(parents, e) for e in draft.chain_ends.tolist()] if draft.chain_ends is not None else \
+        sorted(root_path(parents, n) for n, kids in enumerate(children(parents)[1:]) if not kids)
     out = []
-    for e in ends:
-        idx = torch.tensor(root_path(parents, e), dtype=torch.long)
+    for path in paths:
+        idx = torch.tensor(path, dtype=torch.long)
         out.append(Draft(draft.tokens[idx], q=None if draft.q is None else draft.q[idx.to(draft.q.device)]))
     return out
 

@@ -909,10 +909,8 @@ class BatchEngine:
             return False
         scoring = sum(r.pending is not None for r in self.rows)  # rows whose lookups for the router it would cost
         for modules in (False, True):  # the arms that draft with a module pay its forwards too (:meth:`_steps`)
-            alphas, caps = self._best_case(modules)
+            alphas, caps, depth = self._best_case(modules)
             drafting = sum(map(bool, caps)) if modules else 0  # rows drafting with a module
-            depth = max((_module_depth(r, i, max(0, min(a.L, r.remaining - 1))) for r in self.rows
-                         for i, a in enumerate(r.arms)), default=0) if modules else None
             steps = self._steps(context, drafting, counterfactual=scoring, depth=depth)
             if max(caps) and joint_length(alphas, caps, steps) > 0:
                 if modules:
@@ -920,16 +918,17 @@ class BatchEngine:
                 # a lookup drafts only where it finds a match: at their L, lookups that find nothing in most rows
                 # (α per drafted position ~0.8 at B = 16) kept the gate open in nearly every round there, and each
                 # such round paid its rows' choices and lookups for K = 0. What the rows' lookups find now decides
-                alphas, caps = self._best_case(modules, looked_up=True)
+                alphas, caps, _ = self._best_case(modules, looked_up=True)
                 if max(caps) and joint_length(alphas, caps, steps) > 0:
                     return False
         return True
 
-    def _best_case(self, modules: bool, looked_up: bool = False) -> tuple[list[float], list[int]]:
+    def _best_case(self, modules: bool, looked_up: bool = False) -> tuple[list[float], list[int], int]:
         """Per row, over its arms that draft with a module (``modules``) or without: the highest acceptance estimate
         and the longest draft (each arm's L, room permitting; with ``looked_up``, what each model-free arm drafts
-        from the row's context now), of the arms that would draft at all."""
-        alphas, caps = [], []
+        from the row's context now), of the arms that would draft at all; and the longest chain a module drafts for
+        them (:func:`_module_depth`; 0 without modules)."""
+        alphas, caps, depth = [], [], 0
         for r in self.rows:
             reach = {}
             for i, arm in enumerate(r.arms):
@@ -939,9 +938,10 @@ class BatchEngine:
                 if looked_up and cap:
                     cap = _widest(_draft_lengths(arm, cap, self._free_pieces(r, i, cap)))
                 reach[i] = cap
+                depth = max(depth, _module_depth(r, i, cap))
             alphas.append(max((self.acceptance.alpha(r, i) for i, c in reach.items() if c), default=0.0))
             caps.append(max(reach.values(), default=0))
-        return alphas, caps
+        return alphas, caps, depth
 
     def _gains(self, picks: list[int], shapes: list[Lengths]) -> list[Gain]:
         """What each row's draft of that shape is expected to yield (:data:`Gain`): a chain's α, a tree's expected
