@@ -111,7 +111,7 @@ from .loop import TokenBudget
 
 # arms that draft from the row's own tokens (no model, no cache of their own): a deterministic function of the context
 # (``Arm.free_counterfactual``), so every row holds its own cheap instances and every one of them is scorable
-MODEL_FREE = {"pld", "suffix", "none"}
+MODEL_FREE = {"pld", "suffix", "rest", "none"}
 OVERHEAD_WINDOW = 16  # rounds of each kind whose own work per row the cost's estimate is the median of
 WORK_WINDOW = 96  # rounds of each kind whose own work, by batch size, gives its fixed and per-row parts
 CALIBRATION_WINDOW, CALIBRATION_LEAST = 32, 3  # rounds a batch size's cost correction is the median of; fewest read
