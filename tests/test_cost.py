@@ -372,6 +372,67 @@ def test_node_budget_is_the_best_prefix_and_its_scale_learns_the_accepted_depth(
     assert ctl.node_budget(5, values, 100, spent)[0] == brute(ctl.tree_scale(5))
 
 
+def test_a_tree_grows_only_where_some_budget_of_its_possible_nodes_pays():
+    """deeper_pays against its definition: some budget over the nodes so far plus j depths of ``width`` nodes at the
+    bound (each depth one more head forward) beats the best budget over the nodes so far."""
+    steep = _curve([(1, 0.03), (2, 0.03 * 1.05), (3, 0.03 * 1.08), (4, 0.03 * 1.47), (5, 0.03 * 1.5),
+                    (6, 0.03 * 1.55), (7, 0.03 * 1.6), (8, 0.03 * 1.65), (9, 0.03 * 1.7)])
+    flat = _curve([(1, 0.03)] + [(n, 0.03 * (1 + 0.01 * n)) for n in range(2, 10)])
+    for c in (steep, flat):
+        ctl = build_length("cost")
+        ctl.use_cost(c)
+
+        def ratio(vals, spent):
+            return max((1 + sum(vals[:n])) / (c.steps(n + 1, 100) + spent) for n in range(1, len(vals) + 1))
+
+        for values, bound, depths in (([0.6, 0.15], 0.6, 3), ([0.6, 0.15, 0.2], 0.2, 2), ([0.9, 0.05], 0.9, 1),
+                                      ([0.3, 0.2], 0.05, 3), ([0.5, 0.4], 0.02, 1)):
+            values = sorted(values, reverse=True)
+            spent, step = 0.2, 0.08  # steps of drafting so far, and one more head forward
+            want = any(ratio(sorted(values + [bound] * (2 * j), reverse=True)[:8], spent + j * step)
+                       > ratio(values, spent) for j in range(1, depths + 1))
+            got = ctl.deeper_pays(0, values, 100, spent * 0.03, step * 0.03, bound, 2, depths, 8)
+            assert got == want, (values, bound, depths)
+    ctl = build_length("cost")
+    ctl.use_cost(steep)  # 2 nodes verify for 1.08 steps, a third costs 0.39 more: a depth of weak nodes stops
+    assert not ctl.deeper_pays(0, [0.6, 0.15], 100, 0.006, 0.0024, 0.1, 2, 3, 8)
+    ctl.use_cost(flat)  # where positions are nearly free, it grows
+    assert ctl.deeper_pays(0, [0.6, 0.15], 100, 0.006, 0.0024, 0.1, 2, 3, 8)
+
+
+def test_a_budgeted_tree_stops_drafting_depths_that_cannot_pay(one_thread):
+    """The tree asks the controller (``keep_going.deeper``) before each head forward over its nodes once one has
+    been timed: told no, its rounds stay at depth 1 and stay lossless; told yes, they grow to depth L."""
+    from decode.choose.arms.eagle.tree import EagleTreeArm
+    from decode.choose.heads import EagleHead
+
+    model = tiny_llama(layers=2, seed=1, peaked=4.0)
+    head = EagleHead(model, init="identity").eval()
+    target = Target(model, want_hidden=True)
+    tree = EagleTreeArm(head, model, GREEDY, L=3, nodes=8, topk=3, target=target)
+    eng = SpecEngine(target, [tree], Verifier(GREEDY), step_time=1.0)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
+    forwards = []
+    step = tree._step_tree
+    tree._step_tree = lambda *a: forwards.append(1) or step(*a)
+    for answer in (False, True):
+        forwards.clear()
+        tree._step_seconds = None  # no forward timed yet
+        ctl = build_length("cost")
+        asked = []
+        ctl.deeper_pays = lambda *a, answer=answer: asked.append(a) or answer
+        gen = eng.generate(prompt, build_policy("fixed", 1, eng.max_len), 30, length=ctl)
+        assert gen.tokens == plain_greedy(model, prompt, 30)
+        depths = [r.drafted if r.depth is None else r.depth for r in gen.rounds if r.drafted]  # None: a chain
+        # width (3 expanded nodes × top-3), depths left, the node cap: the first round timed its first forward
+        # unasked and is asked before its second; every later round before its first
+        assert asked[0][6:] == (3 * 3, 1, 8) and asked[1][6:] == (3 * 3, 2, 8)
+        if answer:  # grown to L = 3: two forwards over tree nodes a round (the budget then cuts what pays)
+            assert len(forwards) > len(depths)
+        else:  # told no, the head ran one forward over tree nodes (the first round's, timed) and no more
+            assert len(forwards) == 1 and max(depths[1:]) == 1
+
+
 def test_engine_with_a_cost_budgeted_tree_is_greedy_lossless(one_thread):
     from decode.choose.arms.eagle.tree import EagleTreeArm
     from decode.choose.heads import EagleHead

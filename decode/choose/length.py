@@ -251,7 +251,12 @@ class CostAware(LengthController):
     (every prefix of the ranking is a tree: a node's value never exceeds its parent's), D = this round's
     drafting time in steps (spent whatever n is). Σ v over the verified nodes is the expected accepted depth;
     s calibrates it per arm on what happened, (accepted + w) / (Σ v + w) with w = ``prior_weight``
-    pseudo-observations at s = 1 (the head's confidence taken at its word until the data speak)."""
+    pseudo-observations at s = 1 (the head's confidence taken at its word until the data speak). Before each
+    further head forward the tree asks whether it can pay (``deeper_pays``): if no budget over the nodes so far
+    plus the deepest growth they allow — every new node valued at the best node it can grow from — beats the best
+    budget over the nodes so far once the forwards are paid, it stops drafting (on an AMX Xeon whose curve jumps at
+    4 positions the head's 8-node tree was cut to ~2 nodes a round after drafting all 4 depths: 0.32 steps of
+    drafting a round, for nodes no round verified)."""
 
     name = "cost"
     uses_cost = True
@@ -346,8 +351,14 @@ class CostAware(LengthController):
     def node_budget(self, arm: int, values: list[float], context: int,
                     draft_seconds: float) -> tuple[int, float, float, float]:
         """(n*, E[tokens | n*], cost(n*), Σ v of the n* nodes) for tree nodes of ``values`` (sorted, best first)."""
+        n, expected, cost = self._best_budget(arm, values, context, self._in_steps(draft_seconds, context))
+        return n, expected, cost, float(sum(values[:n]))
+
+    def _in_steps(self, seconds: float, context: int) -> float:
         one = (self.curve.seconds(1, context) if self.curve is not None else None) or self.step_seconds
-        spent = draft_seconds / one if one else 0.0
+        return seconds / one if one else 0.0
+
+    def _best_budget(self, arm: int, values: list[float], context: int, spent: float) -> tuple[int, float, float]:
         scale = self.tree_scale(arm)
         best, expected = (1, 0.0, 1.0), 1.0
         for n, v in enumerate(values, start=1):
@@ -355,7 +366,23 @@ class CostAware(LengthController):
             c = self._cost(n, 0.0, context) + spent
             if n == 1 or expected / c > best[1] / best[2]:
                 best = (n, expected, c)
-        return (*best, float(sum(values[:best[0]])))
+        return best
+
+    def deeper_pays(self, arm: int, values: list[float], context: int, draft_seconds: float, step_seconds: float,
+                    bound: float, width: int, depths: int, cap: int) -> bool:
+        """Whether a tree that has drafted nodes of ``values`` (best first) should spend another head forward
+        (``step_seconds``): only if some budget over them plus, optimistically, ``width`` new nodes of value
+        ``bound`` (no descendant is worth more than the node it grows from) at each of the ``depths`` depths still
+        allowed, each depth one more forward, at most ``cap`` nodes in all, pays more per step than the best budget
+        over the nodes drafted so far (the tree budget's own objective, the drafting so far spent either way)."""
+        spent, step = self._in_steps(draft_seconds, context), self._in_steps(step_seconds, context)
+        n, expected, cost = self._best_budget(arm, values, context, spent)
+        for j in range(1, depths + 1):
+            grown = sorted([*values, *[bound] * (width * j)], reverse=True)[:cap]
+            _, e, c = self._best_budget(arm, grown, context, spent + j * step)
+            if e / c > expected / cost:
+                return True
+        return False
 
     def keep_going(self, arm=0, *, max_len=None, context=0):
         # a round that may draft nothing (the budget's last token) plans exactly that: the bonus token for c(1)
@@ -380,7 +407,11 @@ class CostAware(LengthController):
             n, plan[0], plan[1], self.round_tree[arm] = self.node_budget(arm, values, context, draft_seconds)
             self.plans[arm][-1] = (n, plan[0], plan[1])
             return n
-        go.node_budget = budget
+        def deeper(values: list[float], draft_seconds: float, step_seconds: float, bound: float, width: int,
+                   depths: int, cap: int) -> bool:
+            """A tree arm's test before another head forward (:meth:`deeper_pays`)."""
+            return self.deeper_pays(arm, values, context, draft_seconds, step_seconds, bound, width, depths, cap)
+        go.node_budget, go.deeper = budget, deeper
         return go
 
     def take_plans(self) -> list[tuple[float, float]]:

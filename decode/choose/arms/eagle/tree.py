@@ -20,7 +20,8 @@ Everything else (true features, the head cache holding only true entries) is the
 (decode/choose/arms/eagle/chain.py); the tree's head-cache entries are cropped after drafting like the chain's.
 Length controllers do not shape the dynamic tree, except the cost controller (``--length cost``), which cuts the
 kept nodes to the budget that pays most on the verification curve (``keep_going.node_budget``,
-decode/choose/length.py ``CostAware``); depth L and ``nodes`` (the most it may keep) are the knobs. K chains: decode/core/tree.py ``sample_chains``, one head forward per depth.
+decode/choose/length.py ``CostAware``) and stops the growth before a head forward no kept node could pay for
+(``keep_going.deeper``); depth L and ``nodes`` (the most it may keep) are the knobs. K chains: decode/core/tree.py ``sample_chains``, one head forward per depth.
 EAGLE-3 (fused) heads need nothing else: tree nodes feed the head's recurrent output back exactly as they feed
 an EAGLE-1 head's predicted feature (tests/test_eagle3.py).
 """
@@ -69,6 +70,7 @@ class EagleTreeArm(_EagleTreeBase):
         super().__init__(head, target_model, sampling, L, **kw)
         self.nodes, self.topk = int(nodes), int(topk)
         self.expand = self.topk if expand is None else int(expand)
+        self._step_seconds: float | None = None  # the last head forward over tree nodes (what one more depth costs)
 
     @property
     def label(self) -> str:
@@ -113,16 +115,23 @@ class EagleTreeArm(_EagleTreeBase):
         fed_par: list[int] = []
         out_feat: dict[int, torch.Tensor] = {}  # fed node -> the head's predicted feature after it
         layer = list(tree.add_children(-1, self._confidence(f.unsqueeze(0))[0], self.topk))
-        for _ in range(1, L):
+        deeper = getattr(keep_going, "deeper", None)
+        for depth in range(1, L):
             expand = sorted(layer, key=lambda n: -tree.val[n])[:self.expand]
             if not expand:
                 break
+            if deeper is not None and self._step_seconds is not None and not deeper(
+                    [tree.val[n] for n in tree.ranked(self.nodes)], time.perf_counter() - t0, self._step_seconds,
+                    tree.val[expand[0]], len(expand) * self.topk, L - depth, self.nodes):
+                break  # no node a further forward could add would pay on the verification curve
+            t_step = time.perf_counter()
             slot = {n: i for i, n in enumerate(fed)}
             feats = torch.stack([f if tree.par[n] < 0 else out_feat[tree.par[n]] for n in expand])
             fed_par += [-1 if tree.par[n] < 0 else slot[tree.par[n]] for n in expand]
             fed += expand
             pred = self._step_tree(feats, [tree.tok[n] for n in expand], fed_par, prefix)
             dists = self._confidence(pred)
+            self._step_seconds = time.perf_counter() - t_step
             layer = []
             for n, feat, dist in zip(expand, pred, dists):
                 out_feat[n] = feat
