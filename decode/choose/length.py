@@ -376,7 +376,7 @@ class CostAware(LengthController):
         allowed, each depth one more forward, at most ``cap`` nodes in all, pays more per step than the best budget
         over the nodes drafted so far (the tree budget's own objective, the drafting so far spent either way)."""
         spent, step = self._in_steps(draft_seconds, context), self._in_steps(step_seconds, context)
-        n, expected, cost = self._best_budget(arm, values, context, spent)
+        _, expected, cost = self._best_budget(arm, values, context, spent)
         for j in range(1, depths + 1):
             grown = sorted([*values, *[bound] * (width * j)], reverse=True)[:cap]
             _, e, c = self._best_budget(arm, grown, context, spent + j * step)
@@ -407,6 +407,7 @@ class CostAware(LengthController):
             n, plan[0], plan[1], self.round_tree[arm] = self.node_budget(arm, values, context, draft_seconds)
             self.plans[arm][-1] = (n, plan[0], plan[1])
             return n
+
         def deeper(values: list[float], draft_seconds: float, step_seconds: float, bound: float, width: int,
                    depths: int, cap: int) -> bool:
             """A tree arm's test before another head forward (:meth:`deeper_pays`)."""

@@ -48,14 +48,14 @@ class TokenStore:
             tokens[pos:pos + len(d)] = d
             starts[k:k + len(d)] = np.arange(pos, pos + len(d))
             pos, k = pos + len(d) + 1, k + len(d)
-        self.tokens = int(k)
+        self.size = int(k)  # tokens indexed
         self.max_token = int(tokens.max()) if k else -1
         windows = np.lib.stride_tricks.sliding_window_view(tokens, self.depth)[starts]
         order = np.lexsort(windows.T[::-1])  # last key is primary: column 0 first
         self.cols = np.ascontiguousarray(windows[order].T)
 
     def __len__(self) -> int:
-        return self.tokens
+        return self.size
 
     def block(self, query) -> tuple[int, int]:
         """[lo, hi): the windows that start with ``query`` (at most ``depth`` tokens); lo == hi: none."""

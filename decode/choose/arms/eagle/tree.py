@@ -21,7 +21,8 @@ Everything else (true features, the head cache holding only true entries) is the
 Length controllers do not shape the dynamic tree, except the cost controller (``--length cost``), which cuts the
 kept nodes to the budget that pays most on the verification curve (``keep_going.node_budget``,
 decode/choose/length.py ``CostAware``) and stops the growth before a head forward no kept node could pay for
-(``keep_going.deeper``); depth L and ``nodes`` (the most it may keep) are the knobs. K chains: decode/core/tree.py ``sample_chains``, one head forward per depth.
+(``keep_going.deeper``); depth L and ``nodes`` (the most it may keep) are the knobs. K chains:
+decode/core/tree.py ``sample_chains``, one head forward per depth.
 EAGLE-3 (fused) heads need nothing else: tree nodes feed the head's recurrent output back exactly as they feed
 an EAGLE-1 head's predicted feature (tests/test_eagle3.py).
 """
