@@ -9,6 +9,7 @@ import pytest
 
 from decode.choose.arms import ArmEnv, build_arm
 from decode.choose.arms.retrieval import RetrievalArm, TokenStore, load_store
+from decode.common.answers import FORMAT, RECORD
 from decode.common.errors import UserError
 from decode.core.sampling import SamplingConfig
 from decode.core.target import Target
@@ -105,6 +106,7 @@ def test_bad_settings_fail_fast(tmp_path):
 
 def _answers_folder(folder, docs):
     folder.mkdir(exist_ok=True)
+    (folder / RECORD).write_text(json.dumps({"format": FORMAT, "tasks": {"chat": {}}}))
     with gzip.open(folder / "chat.jsonl.gz", "wt") as fh:
         for d in docs:
             fh.write(json.dumps({"response_ids": d}) + "\n")

@@ -30,11 +30,10 @@ import sys
 import time
 from pathlib import Path
 
+from decode.common.answers import FORMAT, RECORD, load_answers, read_record, task_file  # noqa: F401 (re-exported)
 from decode.common.errors import UserError
 from decode.common.io import atomic_path, atomic_write_json
 
-RECORD = "answers.json"
-FORMAT = "adaspec-answers/1"
 COLUMNS = ("id", "task", "source", "prompt", "prompt_ids", "response_ids", "temperature", "finish_reason")
 EVAL_FILES = ("../shared/data/spec_bench/question_dev.jsonl", "../shared/data/gsm8k/test.jsonl")
 # the recipe fields every row of one task's file must share: they change what an answer is
@@ -84,40 +83,6 @@ def _portable(path: Path) -> str:
         return str(path)
 
 
-def _task_file(folder: Path, task: str) -> Path:
-    return folder / f"{task}.jsonl.gz"
-
-
-def load_answers(folder: str | os.PathLike, task: str | None = None) -> list[dict]:
-    """The rows of an answers folder (one task, or every task in name order)."""
-    folder = Path(folder)
-    record = read_record(folder)
-    tasks = [task] if task is not None else sorted(record["tasks"])
-    rows = []
-    for t in tasks:
-        if t not in record["tasks"]:
-            raise UserError(f"{folder}: no answers for task '{t}' (it has {', '.join(sorted(record['tasks']))})")
-        path = _task_file(folder, t)
-        try:
-            with gzip.open(path, "rt", encoding="utf-8") as fh:
-                rows += [json.loads(line) for line in fh if line.strip()]
-        except (OSError, EOFError, ValueError) as exc:
-            raise UserError(f"{path}: unreadable answers file ({exc}); restore it from git or rebuild it with "
-                            f"`python -m toolkit answers`") from None
-    return rows
-
-
-def read_record(folder: Path) -> dict:
-    path = folder / RECORD
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{folder} is not an answers folder ({RECORD} missing)") from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: unreadable ({exc})") from None
-    if record.get("format") != FORMAT:
-        raise UserError(f"{path}: format {record.get('format')!r}, expected {FORMAT!r}")
-    return record
 
 
 def _gzip_rows(rows: list[dict]) -> bytes:
@@ -203,7 +168,7 @@ def export_answers(dirs: list[str | os.PathLike], out: str | os.PathLike, *,
         raise UserError(f"the answers would take {total / 2 ** 20:.1f} MiB, over --max-mb {max_mb:g}; ship a subset "
                         f"(fewer folders) or raise the limit knowingly")
     for task, (ordered, data) in files.items():
-        nbytes = _write_bytes(_task_file(out, task), data)
+        nbytes = _write_bytes(task_file(out, task), data)
         entry = record["tasks"][task]
         entry.update(rows=len(ordered), answer_tokens=sum(len(r["response_ids"]) for r in ordered),
                      temperatures=sorted({r["temperature"] for r in ordered}), bytes=nbytes)

@@ -21,6 +21,7 @@ from typing import Annotated
 
 import numpy as np
 
+from ...common.answers import load_answers, read_record
 from ...common.errors import UserError
 from ...common.specs import Range
 from ...core.draft import Draft
@@ -186,32 +187,21 @@ class RetrievalArm(Arm):
         return merge_chains([Draft(list(p)) for p in leaves]) if leaves else Draft.empty()
 
 
-def _answer_files(path: str) -> list[Path]:
-    folder = Path(path)
-    files = sorted(folder.glob("*.jsonl.gz")) if folder.is_dir() else []
-    if not files:
-        raise UserError(f"rest: store={path} holds no answers (<task>.jsonl.gz files); pass an answers folder "
-                        f"(`toolkit answers` writes one), e.g. store=pretrained/smollm2-135m-instruct/answers")
-    return files
+def _answers(check, path: str):
+    """``check(folder)`` (decode/common/answers.py: the run record, or every row), naming the arm and its fix."""
+    try:
+        return check(Path(path))
+    except UserError as exc:
+        raise UserError(f"rest: store={path} holds no answers: {exc}; pass an answers folder (`toolkit answers` "
+                        f"writes one), e.g. store=pretrained/smollm2-135m-instruct/answers") from None
 
 
 def load_store(path: str, depth: int = 16) -> TokenStore:
-    """A datastore from an answers folder (``toolkit answers``: ``<task>.jsonl.gz`` rows with ``response_ids``)."""
-    import gzip
-    import json
-
-    docs = []
-    for f in _answer_files(path):
-        try:
-            with gzip.open(f, "rt", encoding="utf-8") as fh:
-                docs += [json.loads(line)["response_ids"] for line in fh if line.strip()]
-        except (OSError, EOFError, ValueError, KeyError) as exc:
-            raise UserError(f"rest: {f}: unreadable answers ({exc!r}); restore it from git or rebuild it with "
-                            f"`python -m toolkit answers`") from None
-    return TokenStore(docs, depth)
+    """A datastore of the answers in an answers folder (every task's ``response_ids``)."""
+    return TokenStore([r["response_ids"] for r in _answers(load_answers, path)], depth)
 
 
-@register("rest", check=lambda typed: _answer_files(typed["store"]))
+@register("rest", check=lambda typed: _answers(read_record, typed["store"]))
 def _make(env: ArmEnv, store: str, L: Annotated[int, Range(0)] = 4, nodes: Annotated[int, Range(1)] = 1,
           max_match: Annotated[int, Range(1)] = 8, min_match: Annotated[int, Range(1)] = 2):
     """``store``: an answers folder of the target's (``toolkit answers``); indexed once per process."""
