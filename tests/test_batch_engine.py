@@ -315,6 +315,36 @@ def test_an_arm_whose_first_drafts_failed_is_tried_again(model, draws):
     assert (sum(eng.acceptance.shared[0]) > 6) == draws
 
 
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_a_lone_rows_policy_learns_that_the_engine_would_not_draft_its_arm(model, max_batch):
+    """The cost controller lets a row's chosen arm draft nothing when its acceptance is below break-even. A row alone
+    learns that as the arm's round (one token, nothing drafted), as the serial engine's policy does; otherwise a
+    policy that favoured the arm kept choosing it and the engine kept drafting nothing. With other rows the joint
+    length is the batch's, not the arm's: the policy learns nothing from such a round. Lossless either way."""
+    updates = []
+
+    def make_policy(K):
+        policy = build_policy("fixed:arm=0", K, 4)
+        policy.update = lambda arm, rec: updates.append(rec)
+        return policy
+    env = ArmEnv(model, TinyTokenizer(model.config.vocab_size), GREEDY)
+    eng = BatchEngine(model, lambda: [build_arm(s, env) for s in ["pld:L=4", "suffix:L=4"]], make_policy,
+                      Verifier(GREEDY, "torch"), length="cost")
+    _pin_cost(eng, lambda W: 1.0 + 0.3 * (W - 1))  # break-even α ~0.3
+    eng._nothing_pays = lambda context: False  # the gate open: rows choose, and the chosen arm is cut to 0
+    eng.acceptance.rng = None
+    eng.acceptance.shared = {0: [0.0, 60.0]}  # the chosen arm never pays
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    rows = eng.generate(prompts, 12, max_batch=max_batch)
+    for p, r in zip(prompts, rows):
+        assert r.tokens == plain_greedy(model, p, 12), p
+        assert all(rec.drafted == 0 and rec.arm == 0 for rec in r.rounds)
+    assert not any(h.plain for h in eng.history) and {len(h.rows) for h in eng.history} == {max_batch}
+    # a row's last round has no room for a draft (one token left): a round like any, learnt at every batch size
+    assert len(updates) == (24 if max_batch == 1 else 2)
+    assert all(rec.drafted == 0 and rec.new_tokens == 1 for rec in updates)
+
+
 @pytest.mark.parametrize("steps, drafts", [(lambda W: float(W), False), (lambda W: 1.0 + 0.01 * (W - 1), True)])
 def test_no_row_drafts_when_no_length_can_pay_even_at_its_cap(model, steps, drafts):
     """When every position costs a full forward, K = 0 is decided before drafting: no arm is asked for a draft
