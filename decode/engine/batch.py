@@ -862,7 +862,8 @@ class BatchEngine:
             # length controller's is, and the round is what choosing it yields. Left unlearnt, a router at B = 1 kept
             # choosing an arm whose first drafts (a hard prompt's) had put its acceptance below break-even, and the
             # engine kept drafting nothing for it (65 of 238 rounds in one run over six Spec-Bench dev prompts)
-            if not plain and (B == 1 or not (own[b] and not caps[b])):
+            refused = own[b] and not caps[b]  # its arm could draft; the joint length let it draft nothing
+            if not plain and (not refused or B == 1):
                 r.policy.update(i, rec)
             tf = time.perf_counter()
             if r.rid in seen:
