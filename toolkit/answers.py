@@ -83,8 +83,6 @@ def _portable(path: Path) -> str:
         return str(path)
 
 
-
-
 def _gzip_rows(rows: list[dict]) -> bytes:
     """One task file's bytes: JSON lines, gzip without a timestamp (the same rows give the same bytes)."""
     buf = io.BytesIO()

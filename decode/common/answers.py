@@ -37,7 +37,9 @@ def load_answers(folder: str | os.PathLike, task: str | None = None) -> list[dic
     return rows
 
 
-def read_record(folder: Path) -> dict:
+def read_record(folder: str | os.PathLike) -> dict:
+    """The folder's run record (``answers.json``), its format checked."""
+    folder = Path(folder)
     path = folder / RECORD
     try:
         record = json.loads(path.read_text())
