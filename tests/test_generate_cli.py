@@ -275,6 +275,26 @@ def test_bad_arm_parameters_are_a_clear_error(tiny_target_dir, capsys):
     assert code == 2 and "L must be an integer" in err and "Traceback" not in err
 
 
+def test_without_arms_the_default_target_gets_the_shipped_pool_and_others_model_free_arms(tmp_path, monkeypatch):
+    """What `decode generate` and `decode serve` run when neither --arms nor --pool is given: the trained pool that
+    ships for the default target (with its length controller), model-free arms for any other target; a shipped pool
+    that cannot be used (its head missing) is said, and the model-free arms run."""
+    import decode.engine.pools as pools
+    from decode.core.models import DEFAULT_TARGET
+    shipped = pools.load_pool(pools.SHIPPED_POOL)
+    assert any(s.startswith("eagle:") for s in shipped.arms) and shipped.length == "cost"
+    err = io.StringIO()
+    assert pools.default_pool(DEFAULT_TARGET, None, None, err) == shipped and err.getvalue() == ""
+    model_free = pools.default_pool("some/other-model", None, None, err)
+    assert model_free.arms == pools.MODEL_FREE_ARMS.split(";") and model_free.length is None
+    assert pools.default_pool(DEFAULT_TARGET, "pld:L=2", None, err).arms == ["pld:L=2"]  # what is asked, only
+    broken = tmp_path / "pool.yaml"
+    broken.write_text("target: smollm2-135m-instruct\narms: [eagle:path=no/such/head,L=2, pld:L=4]\nlength: cost\n")
+    monkeypatch.setattr(pools, "SHIPPED_POOL", broken)
+    assert pools.default_pool(DEFAULT_TARGET, None, None, err) == model_free
+    assert err.getvalue().startswith("note: the shipped pool is not usable (") and "no/such/head" in err.getvalue()
+
+
 # ---- the real default target ------------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -287,3 +307,16 @@ def test_greedy_output_equals_hf_generate_on_the_default_target(smol_path, capsy
     assert "smollm2-135m-instruct" in err and "identical output: yes" in err
     s = stats(err)
     assert 0 < s["tokens"] <= 24 and s["mat"] >= 1.0 and sum(s["pulls"].values()) == s["rounds"]
+
+
+@pytest.mark.slow
+def test_the_default_target_decodes_with_the_shipped_pool_under_the_router(smol_path, capsys):
+    """No --arms: the trained pool (its EAGLE head's tree among its arms) under the router, losslessly."""
+    from decode.engine.pools import SHIPPED_POOL, load_pool
+    prompt = "Write a Python function that returns the square of a number."
+    code, out, err = generate(capsys, prompt, "--max-new-tokens", "24", "--compare-hf", "--device", "cpu")
+    assert code == 0, err
+    assert out == reference_text(smol_path, prompt, 24) + "\n" and "identical output: yes" in err
+    pulls = stats(err)["pulls"]
+    assert any(label.startswith("eagle_tree@") for label in pulls), pulls  # the trained head's arm is in the pool
+    assert len(pulls) <= len(load_pool(SHIPPED_POOL).arms) and sum(pulls.values()) == stats(err)["rounds"]

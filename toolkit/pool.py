@@ -50,12 +50,11 @@ from pathlib import Path
 from decode.common.errors import UserError
 from decode.common.io import atomic_write_json, atomic_write_text
 from decode.core.models import DEFAULT_TARGET
-from decode.engine.pools import load_pool, map_paths
+from decode.engine.pools import SHIPPED_POOL, load_pool, map_paths
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEV_SUITE = "../shared/data/spec_bench/question_dev.jsonl"
 STATE = "pool_state.json"
-SHIPPED_POOL = REPO_ROOT / "recipes" / "pools" / "pretrained.yaml"  # the arms a built pool holds (shipped_composition)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch
 from ..common import metrics
 from ..common.device import dtype_name, resolve_device, resolve_dtype
 from ..engine.loop import Generation, build_engine
+from ..engine.pools import DEFAULT_POLICY, MODEL_FREE_ARMS, default_pool
 from ..common.errors import UserError
 from ..evaluation.eval_config import MAX_SEED, EvalConfig, add_decoding_arguments, resolve_cache
 from ..choose.length import build_length
@@ -38,7 +39,6 @@ from ..core.prefix_cache import DEFAULT_MIB as PREFIX_CACHE_MIB, PrefixCache
 from ..evaluation.suites import encode_messages, encode_prompt
 
 PROMPT = ">>> "
-DEFAULT_ARMS = "pld:L=4;suffix:L=6"  # model-free, so it runs on any target with nothing trained
 # foreground colours per arm (cycled); tokens the target itself chose (bonus/correction) stay plain
 PALETTE = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92", "94", "91")
 RESET = "\x1b[0m"
@@ -57,13 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true", help="feed the prompt text as it is, without the chat template")
     p.add_argument("--target", default=DEFAULT_TARGET, help="alias, local HF folder or hub id (default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the hub")
-    p.add_argument("--arms", default=DEFAULT_ARMS,
-                   help="arm specs separated by ';', as in `decode eval` (default: %(default)s)")
+    p.add_argument("--arms", help="arm specs separated by ';', as in `decode eval` (default, as `decode serve`'s: the "
+                                  f"shipped pool for the default target, else '{MODEL_FREE_ARMS}')")
     p.add_argument("--pool", help="pool YAML (recipes/pools/*.yaml); its arms are added to --arms "
                                   "(pass --arms '' for the pool alone)")
-    p.add_argument("--policy", default="ucbspec",
-                   help="one policy spec choosing the arm each round, e.g. 'ducb:discount=0.9,c=0.1' "
-                        "(default: %(default)s)")
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help="one policy spec choosing the arm each round, e.g. 'ucbspec' or 'ducb:discount=0.9,c=0.1' "
+                        "(default: %(default)s; carry=true keeps learning across the prompts of -i / --chat)")
     p.add_argument("--length", help="draft-length controller, as in `decode eval`: fixed, beta-ts, cali-ts, cost "
                                     "(default: the pool's `length`, else fixed)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="integer >= 1 (default: %(default)s)")
@@ -239,8 +239,7 @@ def check_args(args) -> tuple[list[str], str, SamplingConfig]:
     if args.chat and args.raw:
         raise UserError("--chat renders the conversation with the chat template; drop --raw")
     args.interactive = args.interactive or args.chat
-    from ..engine.pools import collect_arms
-    collected = collect_arms(args.arms, args.pool, DEFAULT_ARMS)
+    collected = default_pool(args.target, args.arms, args.pool)
     specs = collected.arms
     if args.length is None:  # the pool's draft-length controller, unless --length names one
         args.length = collected.length

@@ -22,12 +22,21 @@ directory.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from ..common.errors import UserError
 from ..common.io import REPO_ROOT, resolve_repo_path
 from ..common.specs import parse_spec
+
+# what `decode generate` and `decode serve` run when neither --arms nor --pool is given: the trained pool that ships
+# for the default target (``default_pool``), or these model-free arms, which run on any target with nothing trained;
+# under the per-round router, learning across prompts and requests
+SHIPPED_POOL = REPO_ROOT / "recipes" / "pools" / "pretrained.yaml"
+MODEL_FREE_ARMS = "pld:L=4;suffix:L=6"
+DEFAULT_POLICY = "router:carry=true"
 
 _KEYS = {"target", "L", "drafters", "arms", "description", "length"}
 _DRAFTER_KEYS = {"name", "path", "L"}
@@ -190,3 +199,18 @@ def collect_arms(arms: str | None, pool: str | None, example: str) -> Pool:
             raise UserError(f"--arms: unknown arm '{name}' in '{s}'; known arms: {', '.join(known)}")
         check_arm_spec(s)
     return Pool(specs, length)
+
+
+def default_pool(target: str, arms: str | None, pool: str | None, err: TextIO = sys.stderr) -> Pool:
+    """``--arms`` (+ ``--pool``) as given (:func:`collect_arms`); with neither, the shipped pool for the default target
+    (its trained head, with the pool's ``length``), else :data:`MODEL_FREE_ARMS`. A shipped pool that cannot be used
+    (its head missing from a partial checkout) is said on ``err`` and the model-free arms run instead."""
+    from ..core.models import DEFAULT_TARGET
+    if arms is not None or pool is not None:
+        return collect_arms(arms, pool, MODEL_FREE_ARMS)
+    if target == DEFAULT_TARGET and SHIPPED_POOL.exists():
+        try:
+            return load_pool(SHIPPED_POOL)
+        except UserError as exc:
+            err.write(f"note: the shipped pool is not usable ({exc}); running {MODEL_FREE_ARMS}\n")
+    return collect_arms(MODEL_FREE_ARMS, None, MODEL_FREE_ARMS)

@@ -31,16 +31,11 @@ from ...choose.policies import build_policy
 from ...choose.policies.simple import Fixed
 from ...choose.length import build_length
 from ...core.prefix_cache import DEFAULT_MIB as PREFIX_CACHE_MIB, PrefixCache
-from ...engine.pools import REPO_ROOT, Pool, collect_arms, load_pool
+from ...engine.pools import DEFAULT_POLICY, MODEL_FREE_ARMS, default_pool
 from ...core.sampling import SamplingConfig
-from ...common.specs import split_specs
 from ...evaluation.suites import encode_prompt
 from ..generate import load_engine
 from .limits import BODY_BYTES_PER_TOKEN, BODY_SLACK, default_max_body_bytes
-
-SHIPPED_POOL = REPO_ROOT / "recipes" / "pools" / "pretrained.yaml"
-MODEL_FREE_ARMS = "pld:L=4;suffix:L=6"
-DEFAULT_POLICY = "router:carry=true"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -98,19 +93,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear", choices=LINEAR_KINDS, default="auto", help="as in `decode eval` (default: %(default)s)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-
-
-def arm_pool(args) -> Pool:
-    """--arms (+ --pool), or the default pool: the shipped one for the default target, model-free otherwise; with
-    the pool's draft-length controller (None: the pool names none)."""
-    if args.arms is None and args.pool is None:
-        if args.target == DEFAULT_TARGET and SHIPPED_POOL.exists():
-            try:
-                return load_pool(SHIPPED_POOL)
-            except UserError as exc:  # e.g. the trained head is not there: say so, serve model-free arms
-                print(f"note: the shipped pool is not usable ({exc}); serving {MODEL_FREE_ARMS}", file=sys.stderr)
-        return Pool(split_specs(MODEL_FREE_ARMS))
-    return collect_arms(args.arms, args.pool, MODEL_FREE_ARMS)
 
 
 def check_args(args) -> None:
@@ -196,7 +178,7 @@ def build_server(args, err=sys.stderr):
     from .worker import BatchWorker, Worker
 
     check_args(args)
-    pool = arm_pool(args)
+    pool = default_pool(args.target, args.arms, args.pool, err)
     specs, length = pool.arms, args.length or pool.length or "fixed"
     model, tok, engine, gen = load_engine(args, specs, SamplingConfig(), err,
                                           needs_hidden=build_length(length).needs_target_hidden)
