@@ -20,8 +20,9 @@ EAGLE-3 (--eagle3; venv runs/speculators-eagle3-venv): speculators 0.9.0 pins tr
 has transformers 5.19.0 and the same torch, speculators installed with --no-deps beside the packages it imports.
 The case: a tiny 4-layer Llama target, a fused EagleHead with EAGLE-3's first layer (head.layer=eagle3) and a
 draft vocabulary, written by toolkit.export_formats.speculators_eagle3_layout; speculators reads it
-with SpeculatorModel.from_pretrained (+ load_verifier_weights) and runs its own Eagle3DraftModel forward (one TTT step) on the target's fused hidden states: its draft-vocabulary logits
-must equal the head's (max |difference| <= 1e-5) and its drafted target ids (index + d2t) the head's.
+with SpeculatorModel.from_pretrained (+ load_verifier_weights) and runs its own Eagle3DraftModel forward (one TTT
+step) on the target's fused hidden states: its draft-vocabulary logits must equal the head's (max |difference|
+<= 1e-5) and its drafted target ids (index + d2t) the head's.
 
     .venv/bin/python scripts/check_export_speculators.py --eagle3 --setup
 """
@@ -160,7 +161,8 @@ def write_eagle3_case(folder: Path) -> None:
                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
     target = LlamaForCausalLM(cfg).eval()
     target.save_pretrained(folder / "target")
-    head = EagleHead(target, feature_layers=(1, 2, 3), layer="eagle3", draft_vocab=DraftVocab(torch.arange(3, 96, 2), 96))
+    head = EagleHead(target, feature_layers=(1, 2, 3), layer="eagle3",
+                     draft_vocab=DraftVocab(torch.arange(3, 96, 2), 96))
     with torch.no_grad():  # away from the init, so every tensor matters
         for p in head.trainable_parameters():
             p.add_(torch.randn_like(p) * 0.05)

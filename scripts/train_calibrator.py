@@ -1,5 +1,7 @@
-"""Train the calibrator head: `python scripts/train_calibrator.py [--recipe recipes/heads/calibrator.yaml] [--task math] [key=value ...]`
-(= `python -m toolkit train calibrator ...`; also runs under `deepspeed`/`torchrun`; see toolkit/train/calibrator.py)."""
+"""Train the calibrator head:
+`python scripts/train_calibrator.py [--recipe recipes/heads/calibrator.yaml] [--task math] [key=value ...]`
+(= `python -m toolkit train calibrator ...`; also runs under `deepspeed`/`torchrun`; see
+toolkit/train/calibrator.py)."""
 import sys
 from pathlib import Path
 

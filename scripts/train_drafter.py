@@ -8,8 +8,9 @@
 
 The task and its distilled data, and the spelling of train.device/train.dtype, are checked before torch, the
 target or DeepSpeed's workers load, so a bad TASK or device fails in a fraction of a second with one line
-(naming a GPU or float16 also checks, in a few seconds, that this machine has one) (`make train-drafter` runs ``--check`` before launching
-DeepSpeed, whose launcher would otherwise print around it). All training lives in :mod:`toolkit.train.drafter`.
+(naming a GPU or float16 also checks, in a few seconds, that this machine has one) (`make train-drafter` runs
+``--check`` before launching DeepSpeed, whose launcher would otherwise print around it). All training lives in
+:mod:`toolkit.train.drafter`.
 """
 import sys
 from pathlib import Path

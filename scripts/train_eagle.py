@@ -1,4 +1,5 @@
-"""Train the eagle head: `python scripts/train_eagle.py [--recipe recipes/heads/eagle.yaml] [--task math] [key=value ...]`
+"""Train the eagle head:
+`python scripts/train_eagle.py [--recipe recipes/heads/eagle.yaml] [--task math] [key=value ...]`
 (= `python -m toolkit train eagle ...`; also runs under `deepspeed`/`torchrun`; see toolkit/train/eagle.py)."""
 import sys
 from pathlib import Path

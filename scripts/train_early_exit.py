@@ -1,5 +1,7 @@
-"""Train the early-exit head: `python scripts/train_early_exit.py [--recipe recipes/heads/early_exit.yaml] [--task math] [key=value ...]`
-(= `python -m toolkit train early-exit ...`; also runs under `deepspeed`/`torchrun`; see toolkit/train/early_exit.py)."""
+"""Train the early-exit head:
+`python scripts/train_early_exit.py [--recipe recipes/heads/early_exit.yaml] [--task math] [key=value ...]`
+(= `python -m toolkit train early-exit ...`; also runs under `deepspeed`/`torchrun`; see
+toolkit/train/early_exit.py)."""
 import sys
 from pathlib import Path
 

@@ -38,7 +38,8 @@ COLUMNS = ("id", "task", "source", "prompt", "prompt_ids", "response_ids", "temp
 EVAL_FILES = ("../shared/data/spec_bench/question_dev.jsonl", "../shared/data/gsm8k/test.jsonl")
 # the recipe fields every row of one task's file must share: they change what an answer is
 CONDITION_KEYS = ("target", "dtype", "template", "filters")
-GENERATION_KEYS = ("max_new_tokens", "top_k", "top_p")  # not max_prompt_tokens: it skips prompts, never changes an answer
+# not max_prompt_tokens: it skips prompts, never changes an answer
+GENERATION_KEYS = ("max_new_tokens", "top_k", "top_p")
 
 
 def conditions(manifest: dict) -> dict:

@@ -368,7 +368,8 @@ def load_recipe(schema: type[T], path: str | Path | None = None, overrides: Sequ
         try:
             loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
         except UnicodeDecodeError:
-            raise UserError(f"{origin}: not UTF-8 text (a binary file?); pass a YAML recipe file (see recipes/)") from None
+            raise UserError(f"{origin}: not UTF-8 text (a binary file?); pass a YAML recipe file "
+                            "(see recipes/)") from None
         except OSError as exc:
             raise UserError(f"{origin}: cannot read it ({exc.strerror or exc})") from None
         except yaml.YAMLError as exc:

@@ -584,7 +584,8 @@ def distill(recipe: DistillRecipe, *, model=None, tokenizer=None, overwrite: boo
 
     manifest = {**base, **_summarise(out, done, recipe), "status": "stopped" if stopped else "complete",
                 "completed_shards": len(done), "reuse": reuse_block(),
-                "time": {"finished_unix": round(time.time(), 1), "this_session_seconds": round(time.time() - t_start, 2),
+                "time": {"finished_unix": round(time.time(), 1),
+                         "this_session_seconds": round(time.time() - t_start, 2),
                          "this_session_generation_seconds": round(session_gen_s, 2),
                          "this_session_generated_tokens": session_tokens}}
     atomic_write_json(manifest_path, manifest, indent=2)
@@ -643,7 +644,8 @@ def _summarise(out: Path, done: dict, recipe: DistillRecipe) -> dict:
     return {
         "counts": {"rows": rows, "kept": kept, "filtered": sum(filtered.values()), "response_tokens": resp_tokens,
                    "finish_reason": dict(finish), "rows_per_temperature": dict(per_temp)},
-        "filters": {"rules": list(recipe.filters.rules), "dropped": {r: filtered.get(r, 0) for r in recipe.filters.rules}},
+        "filters": {"rules": list(recipe.filters.rules),
+                    "dropped": {r: filtered.get(r, 0) for r in recipe.filters.rules}},
         "throughput": {"generated_tokens": gen_tok, "generation_seconds": round(gen_s, 2),
                        "tokens_per_s": round(gen_tok / gen_s, 2) if gen_s else None,
                        "rows_per_s": round(gen_rows / gen_s, 3) if gen_s else None,

@@ -85,6 +85,7 @@ def check_target(path: str | Path, target_tokenizer, meta_file: str = DRAFTER_ME
     meta = read_metadata(path, meta_file)
     want = vocab_fingerprint(target_tokenizer)
     if meta.get("target_vocab_hash") != want:
-        raise UserError(f"{path} was trained for target '{meta.get('target')}' (vocabulary {meta.get('target_vocab_hash')}) "
+        raise UserError(f"{path} was trained for target '{meta.get('target')}' "
+                        f"(vocabulary {meta.get('target_vocab_hash')}) "
                         f"but this target's vocabulary is {want}; train a drafter for this target")
     return meta

@@ -165,7 +165,8 @@ def speculators_layout(state: dict[str, torch.Tensor], target_config, folder, *,
             f"{folder}: --format speculators cannot hold this head exactly: speculators' EAGLE-1 model "
             "(EagleSpeculator, speculators<=0.4) runs its one decoder layer without the input RMSNorm, as EAGLE-1 "
             f"does, and this head normalises its fused input ({LAYER}{INPUT_NORM}). Use --format eagle (exact: a "
-            "pass-through first layer keeps the norm; read by EAGLE and SGLang), or train a head without the input norm")
+            "pass-through first layer keeps the norm; read by EAGLE and SGLang), or train a head without the input "
+            "norm")
     bias = "bias" in fc and bool(fc["bias"].abs().max() > 0)
     tensors = {"fusion_fc.weight": fc["weight"], **({"fusion_fc.bias": fc["bias"]} if bias else {})}
     tensors.update({f"transformer.{k}": v for k, v in layer.items()})
@@ -216,15 +217,17 @@ def eagle3_layer_problem(layers, n_layers: int | None = None, *, ordered: bool =
     return None
 
 
-def speculators_eagle3_layout(head, target_config, folder, *, verifier: str, num_tokens: int) -> tuple[dict, dict, dict]:
+def speculators_eagle3_layout(head, target_config, folder, *, verifier: str,
+                              num_tokens: int) -> tuple[dict, dict, dict]:
     """(tensors, config.json, facts) of speculators' EAGLE-3 layout (Eagle3SpeculatorConfig) for a fused EagleHead
     with EAGLE-3's first layer (``layer: eagle3``)."""
     if not head.fused or head.layer != "eagle3":
         raise UserError(
             f"{folder}: --format speculators writes an EAGLE-3 head exactly only when its layer is EAGLE-3's own "
             f"(head.layer=eagle3: separate norms of embedding and feature, 2d q/k/v, no fc); this head "
-            f"{'uses the EAGLE-1 layer (fc over [embedding, feature] + the target layer class)' if head.fused else 'is not fused'}"
-            ". Retrain with `--recipe recipes/heads/eagle3.yaml` (head.layer=eagle3)")
+            + ("uses the EAGLE-1 layer (fc over [embedding, feature] + the target layer class)" if head.fused
+               else "is not fused")
+            + ". Retrain with `--recipe recipes/heads/eagle3.yaml` (head.layer=eagle3)")
     n_layers = target_config.num_hidden_layers
     layers = list(head.feature_layers)
     problem = eagle3_layer_problem(layers, n_layers, ordered=False)
@@ -302,7 +305,8 @@ def load_speculators_eagle3_export(folder, target) -> torch.nn.Module:
     aux = [int(i) for i in cfg.get("eagle_aux_hidden_state_layer_ids") or ()]
     problem = eagle3_layer_problem(aux, target.config.num_hidden_layers, ordered=False)
     if problem:
-        raise UserError(f"{folder}: eagle_aux_hidden_state_layer_ids {aux} cannot be read as vLLM reads them: {problem}")
+        raise UserError(f"{folder}: eagle_aux_hidden_state_layer_ids {aux} cannot be read as vLLM reads them: "
+                        f"{problem}")
     # in vLLM's order (ascending, whatever the config lists), so the head fuses what vLLM's fc is given
     head = EagleHead(target, feature_layers=tuple(sorted(aux)), layer="eagle3", draft_vocab=vocab)
     want_rows = head.draft_rows(lm)
@@ -406,7 +410,8 @@ def _verify_eagle(src: Path, exported: Path, target, load=None) -> float:
     ours, back = ours[..., kept], back[..., kept]
     diff = float((ours - back).abs().max())
     if diff > 1e-4 or not torch.equal(ours.argmax(-1), back.argmax(-1)):
-        raise RuntimeError(f"exported head drafts differently from {src} (max |Δlogit| {diff:.3g}); nothing was written")
+        raise RuntimeError(f"exported head drafts differently from {src} (max |Δlogit| {diff:.3g}); "
+                           "nothing was written")
     return diff
 
 
@@ -525,7 +530,8 @@ def export(artifact, fmt: str, out, *, target: str | None = None, num_tokens: in
                 tensors, cfg, facts = speculators_eagle3_layout(load_head(src, model, expect="eagle"), model.config,
                                                                 src, verifier=target, num_tokens=num_tokens)
             else:
-                tensors, cfg, facts = speculators_layout(state, model.config, src, verifier=target, num_tokens=num_tokens)
+                tensors, cfg, facts = speculators_layout(state, model.config, src, verifier=target,
+                                                         num_tokens=num_tokens)
             write_layout(tmp, tensors, cfg)
             from decode.core.vocab import VOCAB_FILE
             if (src / VOCAB_FILE).exists() and not eagle3:  # no slot for it: keep it beside, say what changes
@@ -537,8 +543,9 @@ def export(artifact, fmt: str, out, *, target: str | None = None, num_tokens: in
                                           _verify_eagle(src, tmp, model, load_speculators_eagle3_export) if eagle3
                                           else None)
             vllm_ok = not facts["fc_bias"]
-            why = ("the head's fc layer has a bias, and vLLM's EAGLE-1 drafter (EagleLlamaForCausalLM) builds fc "
-                   "without one; serve it with SGLang or EAGLE, or train a head whose fc has no bias") if not vllm_ok else ""
+            why = "" if vllm_ok else (
+                "the head's fc layer has a bias, and vLLM's EAGLE-1 drafter (EagleLlamaForCausalLM) builds fc "
+                "without one; serve it with SGLang or EAGLE, or train a head whose fc has no bias")
         from decode.core.models import resolve_path
         meta["target"] = target
         vllm, readme = serving_snippets(kind, fmt, out, target=resolve_path(target), source=meta["source"],
@@ -555,11 +562,13 @@ def export(artifact, fmt: str, out, *, target: str | None = None, num_tokens: in
 
 def add_arguments(p) -> None:
     p.add_argument("artifact", help="a trained EAGLE head folder (head.json) or a drafter export (drafter.json)")
-    p.add_argument("--format", required=True, help=f"one of {', '.join(FORMATS)} (eagle heads: eagle, speculators; drafters: hf)")
+    p.add_argument("--format", required=True,
+                   help=f"one of {', '.join(FORMATS)} (eagle heads: eagle, speculators; drafters: hf)")
     p.add_argument("--out", required=True, help="folder to write (must be new or empty unless --force)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--target", default=None, help="target model (default: the one the artifact was trained for)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft length in the serving configs (default 4)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="draft length in the serving configs (default 4)")
 
 
 def run(args) -> int:

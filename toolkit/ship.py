@@ -30,10 +30,12 @@ from decode.core.vocab import VOCAB_FILE
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("head", help="a trained head folder (head.json + head.safetensors), e.g. "
                                 "runs/pools/smollm2-135m-instruct-small/heads/eagle")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="the target the head was trained for (default: %(default)s)")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help="the target the head was trained for (default: %(default)s)")
     p.add_argument("--out", required=True, help="the folder to write (replaced only with --force)")
     p.add_argument("--dtype", default="float16", choices=sorted(DTYPES), help="weights dtype (default: %(default)s)")
-    p.add_argument("--command", dest="rebuild_command", default="", help="the command that rebuilds the head (written to SHIPPED.md)")
+    p.add_argument("--command", dest="rebuild_command", default="",
+                   help="the command that rebuilds the head (written to SHIPPED.md)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
 
 
@@ -99,7 +101,8 @@ def ship(head: Path, out: Path, target: str, dtype: str = "float16", command: st
              f"- weights: {dtype} ({size / 2 ** 20:.1f} MiB in this folder); trained in {trained_in}, saved in float32",
              *([f"- warm-started from: {warm} (run.json: head.init_from)"] if warm else []),
              f"- target: {meta.get('target_spec') or meta.get('target', {}).get('name_or_path', '?')}",
-             f"- held-out metrics at training time: {json.dumps(heldout, sort_keys=True) if heldout else 'see run.json'}",
+             "- held-out metrics at training time: "
+             f"{json.dumps(heldout, sort_keys=True) if heldout else 'see run.json'}",
              f"- top-1 agreement of these {dtype} weights with the float32 ones on a probe: "
              + ("not checked" if agreement is None else f"{agreement:.3f}"), ""]
     (tmp / "SHIPPED.md").write_text("\n".join(lines))

@@ -66,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's verification forward (needs --cache static)")
     p.add_argument("--linear", choices=LINEAR_KINDS, default="auto",
-                   help="the target's linear layers: onednn (pre-packed, CPU), stock, or auto (default: onednn on a CPU)")
+                   help="the target's linear layers: onednn (pre-packed, CPU), stock, or auto (default: onednn on "
+                        "a CPU)")
     p.add_argument("--length", default="fixed",
                    help="draft-length controller per arm (as for `decode eval --length`, e.g. cost): the table then "
                         "shows the lengths it chose and, for cost, its expected vs realised tokens per step")
@@ -188,8 +189,9 @@ def run(args) -> int:
     several = len(caches) > 1
     result = {(f"{labels[i]} [{c}]" if several else labels[i]): breakdown(gens[(c, i)], plans[(c, i)]) for c, i in runs}
     others = [c for c in caches if c != "dynamic"]
-    ratios = ({c: {labels[i]: result[f"{labels[i]} [{c}]"]["tokens_per_s"] / result[f"{labels[i]} [dynamic]"]["tokens_per_s"]
-                   for i in range(K)} for c in others} if several else None)
+    speed = {key: r["tokens_per_s"] for key, r in result.items()}
+    ratios = ({c: {labels[i]: speed[f"{labels[i]} [{c}]"] / speed[f"{labels[i]} [dynamic]"] for i in range(K)}
+               for c in others} if several else None)
     table = markdown_table(result)
     if ratios:
         table += ("\n\n| arm | " + " | ".join(f"{c} ÷ dynamic tokens/s" for c in others) + " |\n|---|"
@@ -206,7 +208,8 @@ def run(args) -> int:
     compiled = (f" + compile ({sum(i['seconds'] for i in compile_info.values() if i):.0f} s of compiling before the "
                 f"run)" if args.compile else "")
     print(f"\n{len(encoded)} prompt(s) x {args.max_new_tokens} new tokens, {device}/{dtype_name(dtype)}, "
-          f"{torch.get_num_threads()} thread(s), {'every' if several else cache} cache, {linear} linears{compiled}; outside = verify + rollback + "
+          f"{torch.get_num_threads()} thread(s), {'every' if several else cache} cache, {linear} linears{compiled}; "
+          "outside = verify + rollback + "
           "bookkeeping + other (draft includes model-free lookups)")
     if out is not None:
         report = {"config": {k: v for k, v in vars(args).items() if k != "func"} | {

@@ -39,7 +39,8 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
     p.add_argument("--vocab", help=f"comma list (default GPU {GPU_GRID['vocab']}; CPU {CPU_GRID['vocab']})")
-    p.add_argument("--draft-len", help=f"comma list of L (default GPU {GPU_GRID['draft_len']}; CPU {CPU_GRID['draft_len']})")
+    p.add_argument("--draft-len",
+                   help=f"comma list of L (default GPU {GPU_GRID['draft_len']}; CPU {CPU_GRID['draft_len']})")
     p.add_argument("--batch", help=f"comma list (default GPU {GPU_GRID['batch']}; CPU {CPU_GRID['batch']})")
     p.add_argument("--dtypes", help="comma list of fp16, bf16, fp32 (default bf16,fp32)")
     p.add_argument("--mode", default="sample", choices=["sample", "greedy"])
@@ -48,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                              "to the kernel")
     p.add_argument("--top-p", type=float, help="--mode sample: in (0, 1], 1 = off (default)")
     p.add_argument("--draft-probs", action="store_true", help="draft distributions instead of one-hot drafts")
-    p.add_argument("--backends", default=None, help="comma list of fused, reference (default: both on CUDA, reference on CPU)")
+    p.add_argument("--backends", default=None,
+                   help="comma list of fused, reference (default: both on CUDA, reference on CPU)")
     p.add_argument("--peak-gbps", type=float, help="device memory bandwidth in GB/s (default: table by device name)")
     p.add_argument("--reps", type=int, default=5, help="CPU: timed repetitions per point (median)")
     p.add_argument("--threads", type=int, help="CPU: torch threads (1 is far steadier on a shared machine)")
@@ -133,10 +135,12 @@ def _fmt(x, spec):
 def markdown(report: dict) -> str:
     peak = report["peak_gbps"]
     lines = [f"Verification benchmark on {report['device_name']} ({report['mode']}, "
-             f"{'draft probs' if report['draft_probs'] else 'one-hot drafts'}); MB = bytes that must be read: the logits "
+             f"{'draft probs' if report['draft_probs'] else 'one-hot drafts'}); "
+             "MB = bytes that must be read: the logits "
              f"once{' + the draft probs once' if report['draft_probs'] else ''}; "
              f"peak {_fmt(peak, '.0f')} GB/s.", "",
-             "| vocab | L | batch | dtype | MB | ref ms | ref GB/s | fused ms | fused GB/s | fused % peak | speedup | draws match |",
+             "| vocab | L | batch | dtype | MB | ref ms | ref GB/s | fused ms | fused GB/s | fused % peak | speedup "
+             "| draws match |",
              "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["points"]:
         lines.append(f"| {r['vocab']} | {r['L']} | {r['batch']} | {r['dtype']} | {r['bytes'] / 1e6:.3g} | "
@@ -180,7 +184,8 @@ def run(args) -> int:
     if "fused" in backends:
         from ..core.verify.fused import verify_fused
         fused_fn = verify_fused
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    device_name = (torch.cuda.get_device_name(device) if device.type == "cuda" else
+                   f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
     out = Path(args.out)
     report = {"device_name": device_name, "device": device.type, "peak_gbps": peak, "mode": args.mode,
               "sampling": dataclasses.asdict(cfg), "draft_probs": args.draft_probs,

@@ -76,8 +76,8 @@ class CounterfactualScorer:
     @property
     def scorable(self) -> list[int]:
         """The arms scored this query (greedy adds the arms whose greedy draft is deterministic)."""
-        return [j for j, a in enumerate(self.arms)
-                if getattr(a, "free_counterfactual", False) or (self.greedy and getattr(a, "greedy_counterfactual", False))]
+        return [j for j, a in enumerate(self.arms) if getattr(a, "free_counterfactual", False)
+                or (self.greedy and getattr(a, "greedy_counterfactual", False))]
 
     def new_query(self) -> None:
         self.verify_sum.clear()

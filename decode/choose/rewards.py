@@ -106,8 +106,8 @@ class BlockDivergencePrefix(Reward):
 class Throughput(Reward):
     """Tokens per autoregressive step (BanditSpec §6.2's tokens/s on a fixed scale): tokens the
     round kept ÷ (round time / ``step_time``), where step_time is one one-token target forward
-    (measured once by the engine before its first query, or given to it). Drafting, switching catch-up and verification all
-    count. Plain decoding scores ≈ 1; clipped to [0, L+1] (a round makes at most L+1 tokens and
+    (measured once by the engine before its first query, or given to it). Drafting, switching catch-up and
+    verification all count. Plain decoding scores ≈ 1; clipped to [0, L+1] (a round makes at most L+1 tokens and
     takes at least about one step). The scale is known before the query, so UCB means stay
     comparable — a running maximum would drift during the query."""
 

@@ -14,17 +14,21 @@ from ..common.errors import run_user_command
 
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, help)
-    "eval": ("decode.evaluation.evaluate", "evaluate arms and policies against HF generate and autoregressive decoding"),
+    "eval": ("decode.evaluation.evaluate",
+             "evaluate arms and policies against HF generate and autoregressive decoding"),
     "bench-verify": ("decode.bench.bench_verify", "time the fused Triton verifier vs the PyTorch reference (GB/s)"),
     "report": ("decode.evaluation.report", "rebuild an evaluation's report.json and table from its records.jsonl"),
-    "simulate": ("decode.simulation.simulate", "stopping-time regret of policies on synthetic or replayed bandit instances"),
+    "simulate": ("decode.simulation.simulate",
+                 "stopping-time regret of policies on synthetic or replayed bandit instances"),
     "bench-round": ("decode.bench.bench_round", "break a round into draft, target forward, verify, rollback and "
                     "bookkeeping time per arm"),
     "bench-tree": ("decode.bench.bench_tree", "time one verification forward against its number of positions: chains "
                    "and token trees of 1…64 nodes, as a multiple of a one-token step"),
-    "generate": ("decode.commands.generate", "decode one prompt (or an interactive loop), streaming tokens as they are accepted"),
+    "generate": ("decode.commands.generate",
+                 "decode one prompt (or an interactive loop), streaming tokens as they are accepted"),
     "compare": ("decode.evaluation.compare", "per-method differences between two evaluation reports"),
-    "serve": ("decode.commands.serve.command", "an OpenAI-compatible HTTP server (chat/completions, streaming, metrics) whose "
+    "serve": ("decode.commands.serve.command",
+              "an OpenAI-compatible HTTP server (chat/completions, streaming, metrics) whose "
               "arm choice learns across requests"),
 }
 

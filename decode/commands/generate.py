@@ -322,7 +322,8 @@ class Session:
             ids = encode(self.tok, text, self.args.raw)
         else:  # the interactive loop ends at an empty line, so a turn has text
             ids = encode_messages(self.tok, self.history + [{"role": "user", "content": text}])
-        overflow = context_overflow(self.args.max_new_tokens, context_of(self.model.config), self.args.target, [len(ids)])
+        overflow = context_overflow(self.args.max_new_tokens, context_of(self.model.config), self.args.target,
+                                    [len(ids)])
         if overflow:
             self.err.write(f"note: {overflow}\n")
         self._warm_up(ids)

@@ -45,7 +45,8 @@ class Registry:
         arguments of its own first), without building anything: what a CLI validates before models load."""
         if name not in self._factories:
             where = f" in '{spec}'" if spec != name else ""
-            raise UserError(f"unknown {self.kind} '{name}'{where}; known {self.plural}: {', '.join(self.names())}{self.hint}")
+            raise UserError(f"unknown {self.kind} '{name}'{where}; known {self.plural}: "
+                            f"{', '.join(self.names())}{self.hint}")
         typed = bind_params(f"{self.kind} '{spec}'", name, self._factories[name], positional, params)
         if name in self._checks:
             try:

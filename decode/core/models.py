@@ -195,7 +195,8 @@ def load_model(spec: str, *, dtype: str | torch.dtype = torch.float32, device: s
 def eos_token_ids(model, tokenizer) -> list[int]:
     """Every id that ends a sequence: the tokenizer's and the model's generation_config's (either may be a list)."""
     ids: set[int] = set()
-    for v in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+    generation = getattr(model, "generation_config", None)
+    for v in (getattr(tokenizer, "eos_token_id", None), getattr(generation, "eos_token_id", None)):
         if isinstance(v, int):
             ids.add(v)
         elif isinstance(v, (list, tuple)):

@@ -179,7 +179,8 @@ class RowCache:
     def block(self, block_valid: torch.Tensor, dtype: torch.dtype, device,
               within: torch.Tensor | None = None) -> torch.Tensor:
         """Before a forward of ``block_valid.shape[1]`` slots per row: room for them, and the additive mask it takes
-        (pass ``hf`` as the forward's ``past_key_values``; :meth:`commit` after it). ``within``: as :meth:`attention`."""
+        (pass ``hf`` as the forward's ``past_key_values``; :meth:`commit` after it). ``within``: as
+        :meth:`attention`."""
         mask = self.attention(block_valid, dtype, device, within)
         self.reserve(block_valid.shape[1], dtype, device)
         return mask
@@ -199,7 +200,8 @@ class RowCache:
         self.valid = torch.cat([self.valid, keep_block], dim=1)
 
     def forget(self, start: int) -> None:
-        """Every row's slots from ``start`` on become invisible (a drafter's speculative steps, once its draft is out)."""
+        """Every row's slots from ``start`` on become invisible (a drafter's speculative steps, once its draft is
+        out)."""
         self.valid[:, start:] = False
 
     def tidy(self, slack: int) -> bool:

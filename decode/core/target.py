@@ -371,7 +371,8 @@ class Target:
         self.kv = KVCache.for_model(model, cache, max_cache_len)
         self.compile = bool(compile)
         self.compiled = CompiledForward(model) if compile else None
-        self.linear = "stock"  # how ``model``'s linears run: stock, onednn or mixed (decode/core/linear.py); build_engine records it
+        # how ``model``'s linears run: stock, onednn or mixed (decode/core/linear.py); build_engine records it
+        self.linear = "stock"
         self.linear_probe: dict | None = None  # --linear auto's measurement (build_engine), else None
         self.attention_probe: dict | None = None  # decode/core/attention.py probe_attention's (build_engine)
         self.forwards = 0

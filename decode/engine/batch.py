@@ -1171,10 +1171,10 @@ class BatchEngine:
         return (self._one_seconds(B, context) or fallback) / B
 
     def _seed_cost(self, widest: int, context: int) -> None:
-        """Before the first length choice of a curve that has measured fewer than two sizes: a probe at this batch, one forward
-        per width up to ``widest`` over dummy blocks (the rows' last tokens repeated) whose slots are then dropped.
-        After it the rounds keep the curve current: every forward, at any batch size, is a measurement of t(B·W),
-        so a batch size never seen reads what others measured (rows finish one by one, so B changes every few
+        """Before the first length choice of a curve that has measured fewer than two sizes: a probe at this batch, one
+        forward per width up to ``widest`` over dummy blocks (the rows' last tokens repeated) whose slots are then
+        dropped. After it the rounds keep the curve current: every forward, at any batch size, is a measurement of
+        t(B·W), so a batch size never seen reads what others measured (rows finish one by one, so B changes every few
         rounds: a probe per B would cost more than it saves)."""
         if len(self.cost.sizes()) >= 2:  # a slope to read wider blocks from
             return

@@ -81,7 +81,7 @@ class Generation:
     rounds: list[RoundRecord] = field(default_factory=list)
     wall_time: float = 0.0  # setup (resets + prefill) + all rounds (+ trace recording, decode/simulation/traces.py)
     stopped_by: str = "length"  # "eos" | "length"
-    trace: object | None = None  # a decode.simulation.traces.Trace when recorded with decode.simulation.traces.record_trace
+    trace: object | None = None  # a decode.simulation.traces.Trace when recorded with its record_trace
     setup_time: float = 0.0  # the part of wall_time spent in begin() (resets + prefill)
     step_times: list[StepTimes] = field(default_factory=list)  # per round, beside ``rounds``
 
@@ -202,8 +202,10 @@ class SpecEngine:
         self.target.prefill(prompt_ids, capacity=len(prompt_ids) + max_new_tokens + self.max_nodes + 1)
         state = DecodeState(prompt_ids, policy, length, max_new_tokens, ctx=list(prompt_ids), start=start,
                             pending=[] if full else None)
-        if policy.uses_cost:  # a round scoring n positions, in steps: c(n) at this query's context as it grows + overhead
-            policy.use_cost(lambda n, ctx=state.ctx: self.cost.steps(n, len(ctx)) + self.round_overhead / self.step_time,
+        if policy.uses_cost:  # a round scoring n positions, in steps: c(n) at this query's context as it grows, and
+            # the round's overhead
+            policy.use_cost(lambda n, ctx=state.ctx: (self.cost.steps(n, len(ctx))
+                                                      + self.round_overhead / self.step_time),
                             [a.L for a in self.arms])
         if self.target.prefix_cache is not None and self.target.want_hidden:
             state.hidden = [] if self.target.prefill_hidden is None else [self.target.prefill_hidden]
@@ -354,13 +356,15 @@ def target_run_model(model, linear: str) -> tuple[torch.nn.Module, str, dict]:
 
 def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfig, generator: torch.Generator, *,
                  cache: str, compile: bool = False, linear: str = "stock", verifier: str = "auto",
-                 target_name: str = "target", trust_remote_code: bool = False, needs_hidden: bool = False) -> SpecEngine:
+                 target_name: str = "target", trust_remote_code: bool = False,
+                 needs_hidden: bool = False) -> SpecEngine:
     """The engine a command decodes with: the target wrapper (``cache`` kind, optionally compiled, its linear
     layers run as ``linear``: a resolved kind of decode/core/linear.py, ``auto`` measured here; on a CPU its
     grouped-query attention reads the cache's heads as they are: decode/core/attention.py), the arm pool
-    built from ``arm_specs`` (arms that own a cache use the same kind), the verifier and the EOS ids. ``model`` itself is not modified:
-    the hf reference keeps running it, and arms that copy or load weights into target modules (EAGLE's layer,
-    early-exit stacks) build on it, never on packed weights that a later ``load_state_dict`` would not reach.
+    built from ``arm_specs`` (arms that own a cache use the same kind), the verifier and the EOS ids. ``model`` itself
+    is not modified: the hf reference keeps running it, and arms that copy or load weights into target modules
+    (EAGLE's layer, early-exit stacks) build on it, never on packed weights that a later ``load_state_dict`` would
+    not reach.
     The target returns hidden states when an arm or ``needs_hidden`` (a length controller) reads them."""
     run_model, linear, probes = target_run_model(model, linear)
     target = Target(run_model, tokenizer, want_hidden=False, cache=cache, compile=compile)

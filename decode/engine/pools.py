@@ -108,7 +108,8 @@ def load_pool(path: str | Path) -> Pool:
         name = str(d.get("name") or Path(str(d["path"])).parent.name)
         folder = resolve_repo_path(str(d["path"]))
         if folder is None or not (folder / "config.json").is_file():
-            untrained.append(f"drafters[{i}] '{name}' (no exported model at {d['path']}): {_train_command(str(d['path']))}")
+            untrained.append(f"drafters[{i}] '{name}' (no exported model at {d['path']}): "
+                             f"{_train_command(str(d['path']))}")
             continue
         meta_file = folder / "drafter.json"
         if target and meta_file.is_file():
@@ -131,7 +132,8 @@ def load_pool(path: str | Path) -> Pool:
             raise UserError(f"pool {p}: arms[{i}] must be an arm spec string like 'pld:L=4', got {spec!r}")
         name, params = parse_spec(spec)
         if name not in known:
-            raise UserError(f"pool {p}: arms[{i}] '{spec}': unknown arm '{name}'; known arms: {', '.join(sorted(known))}")
+            raise UserError(f"pool {p}: arms[{i}] '{spec}': unknown arm '{name}'; known arms: "
+                            f"{', '.join(sorted(known))}")
         specs.append(_with_paths_resolved(spec.strip(), f"pool {p}: arms[{i}] '{spec}'"))
     if not specs:
         raise UserError(f"pool {p} names no drafters and no arms; add entries under 'drafters' or 'arms'")

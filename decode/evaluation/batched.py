@@ -170,8 +170,8 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
             engines[m.name] = eng
         return eng
 
-    todo = [(B, si, m.name) for B in cfg.batch for si in range(len(_segments(len(prompts), B, cfg.batch_repeat))) for m in methods
-            if (B, si, m.name) not in done]
+    todo = [(B, si, m.name) for B in cfg.batch for si in range(len(_segments(len(prompts), B, cfg.batch_repeat)))
+            for m in methods if (B, si, m.name) not in done]
     log = JsonlLog(cfg.records_path, keep_bytes=good if records else 0)
     try:
         if not records:

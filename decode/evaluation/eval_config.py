@@ -88,7 +88,8 @@ def add_decoding_arguments(p) -> None:
                    help="torch.compile the target's verification forward (needs the static cache)")
     p.add_argument("--linear", choices=LINEAR_KINDS, default="auto",
                    help="how the target's linear layers run in our engine: onednn (weights pre-packed once; on a CPU "
-                        "1-8 positions then cost nearly one step), stock (torch.nn.Linear), or auto (default: onednn on "
+                        "1-8 positions then cost nearly one step), stock (torch.nn.Linear), or auto (default: onednn "
+                        "on "
                         "a CPU for float32/bfloat16, else stock). The hf reference and peers always run stock")
 
 

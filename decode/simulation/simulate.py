@@ -350,8 +350,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p-after", help="synthetic: acceptance probabilities after the switch")
     p.add_argument("--concentration", type=float, default=4.0,
                    help="synthetic: κ of the per-position acceptance α ~ Beta(κp, κ(1-p)); 0 = α = p")
-    p.add_argument("--draft-cost", type=float, default=0.0, help="synthetic: time per drafted token (1 = one verification)")
-    p.add_argument("--verify-cost", type=float, default=0.0, help="synthetic: extra verification time per drafted token")
+    p.add_argument("--draft-cost", type=float, default=0.0,
+                   help="synthetic: time per drafted token (1 = one verification)")
+    p.add_argument("--verify-cost", type=float, default=0.0,
+                   help="synthetic: extra verification time per drafted token")
     p.add_argument("--length", type=int, default=10000, help="synthetic: generation length in tokens")
     p.add_argument("--points", type=int, default=9, help="lengths on the log grid of the regret curve")
     p.add_argument("--measure", choices=("rounds", "time"), default="rounds",
@@ -438,7 +440,8 @@ def run(args) -> int:
         p_after = None
         if args.switch_at is not None or args.p_after:
             if args.switch_at is None or not args.p_after:
-                raise UserError("--switch-at and --p-after go together (e.g. --switch-at 2000 --p-after 0.8,0.7,0.6,0.5,0.3)")
+                raise UserError("--switch-at and --p-after go together "
+                                "(e.g. --switch-at 2000 --p-after 0.8,0.7,0.6,0.5,0.3)")
             p_after = _floats(args.p_after, "--p-after")
             if len(p_after) != len(p) or not all(0 < x < 1 for x in p_after):
                 raise UserError(f"--p-after: need {len(p)} probabilities, each in (0, 1), got {args.p_after}")
@@ -464,7 +467,8 @@ def run(args) -> int:
     summary["measure"] = args.measure
     summary["approx_steps"] = res["approx_steps"]
     elapsed = time.perf_counter() - t0
-    config.update({"measure": args.measure, "policies": specs, "seeds": args.seeds, "arm_labels": labels, "seconds": round(elapsed, 2)})
+    config.update({"measure": args.measure, "policies": specs, "seeds": args.seeds, "arm_labels": labels,
+                   "seconds": round(elapsed, 2)})
     out = Path(args.out)
     atomic_write_json(out, {"config": config, "summary": summary})
     table = markdown_table(summary)

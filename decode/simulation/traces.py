@@ -208,7 +208,8 @@ def load_traces(path: str | os.PathLike) -> list[Trace]:
     except json.JSONDecodeError as exc:
         raise UserError(f"--traces: {path} is not valid JSON ({exc})") from exc
     if not isinstance(data, dict) or data.get("version") != VERSION or "traces" not in data:
-        raise UserError(f"--traces: {path} is not a version-{VERSION} trace file written by `decode eval --record-traces`")
+        raise UserError(f"--traces: {path} is not a version-{VERSION} trace file written by "
+                        "`decode eval --record-traces`")
     traces = [Trace.from_dict(d) for d in data["traces"]]
     if not traces:
         raise UserError(f"--traces: {path} holds no traces")

@@ -178,7 +178,8 @@ def _copy_target_layers(model, target, section: ModelSection) -> None:
     if diff or layers is None:
         raise UserError(f"model.init_layers copies target layers, so the drafter's layer shape must equal the "
                         f"target's; differing: {', '.join(diff) or 'target has no model.layers'} — set model.hidden/"
-                        f"heads/kv_heads/intermediate to the target's ({', '.join(f'{k}={getattr(tc, k, None)}' for k in same)})"
+                        "heads/kv_heads/intermediate to the target's "
+                        f"({', '.join(f'{k}={getattr(tc, k, None)}' for k in same)})"
                         f" or model.init_layers=[]")
     for j, i in enumerate(section.init_layers):
         if i >= len(layers):

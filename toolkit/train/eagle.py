@@ -83,7 +83,8 @@ class EagleSection:
             raise UserError("head.feature_layers picks the fused layers: set head.features=fused too (or drop it)")
         if self.layer == "eagle3" and (self.features != "fused" or not self.input_norm):
             raise UserError("head.layer=eagle3 is EAGLE-3's first layer: it reads fused target layers and normalises "
-                            "its inputs; set head.features=fused and keep head.input_norm=true (or use head.layer=eagle1)")
+                            "its inputs; set head.features=fused and keep head.input_norm=true "
+                            "(or use head.layer=eagle1)")
         if self.layer == "eagle3" and self.feature_layers is not None:
             self._check_eagle3_layers(self.feature_layers, None)
         if self.ttt_steps < 1:
@@ -109,7 +110,8 @@ class EagleSection:
         fixed = sorted({int(i) for i in layers if int(i) >= 0 and (n_layers is None or int(i) < n_layers)})
         example = "[" + ",".join(map(str, fixed)) + "]" if len(fixed) == 3 else "[a,b,c]"
         raise UserError(f"{given} with head.layer=eagle3: {problem}. Give 3 distinct target layers in ascending "
-                        f"order, 0 <= a < b < c <= {top}: e.g. head.feature_layers={example} (or use head.layer=eagle1, "
+                        f"order, 0 <= a < b < c <= {top}: e.g. head.feature_layers={example} "
+                        "(or use head.layer=eagle1, "
                         "which no serving format reads)")
 
     def layers(self, n_layers: int) -> tuple[int, ...] | None:
@@ -398,7 +400,8 @@ def train(recipe: EagleRecipe) -> dict:
         recipe.feature_cache, st.out, st.train, collator(st.tokenizer), _cached_tensors(st.target, head.target_layers),
         {"target": recipe.target, "layers": list(head.target_layers), "max_length": recipe.data.max_length},
         st.place.device, recipe.progress)
-    run = fit(EagleTrainModule(st.target, head), make_loss(recipe.head), train_ds, collate, recipe, st.out, fp, st.place)
+    run = fit(EagleTrainModule(st.target, head), make_loss(recipe.head), train_ds, collate, recipe, st.out, fp,
+              st.place)
     trained = run.module
     if trained is None:
         return {}

@@ -74,7 +74,8 @@ class TrainSection:
             if getattr(self, name) < 1:
                 raise UserError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_steps == 0 or self.max_steps < -1:
-            raise UserError(f"train.max_steps must be a positive number of steps or -1 (use epochs), got {self.max_steps}")
+            raise UserError("train.max_steps must be a positive number of steps or -1 (use epochs), "
+                            f"got {self.max_steps}")
         if self.max_steps == -1 and self.epochs <= 0:
             raise UserError(f"train.epochs must be > 0 when train.max_steps=-1, got {self.epochs}")
         if self.lr <= 0:
@@ -392,7 +393,8 @@ def run_training(module: torch.nn.Module, loss_fn: LossFn, train_ds, collate, *,
         trainer.tokens_seen = int(seen.item())
     if stopped and is_main_process():
         print(f"[{tag}] time budget train.max_minutes={section.max_minutes} reached at step "
-              f"{trainer.state.global_step}: checkpoint saved, exporting; rerun the same command to continue", flush=True)
+              f"{trainer.state.global_step}: checkpoint saved, exporting; rerun the same command to continue",
+              flush=True)
     trained = trained_module(trainer, rebuild or (lambda: module))
     return TrainRun(trained, trainer, trainer.train_seconds, training_loss, resumed, stopped)
 
@@ -407,7 +409,7 @@ def _finished(trainer: LossTrainer, checkpoint: str) -> bool:
         total = args.max_steps
     else:
         batches = len(trainer.get_train_dataloader())
-        per_epoch = max(batches // args.gradient_accumulation_steps + int(batches % args.gradient_accumulation_steps > 0), 1)
+        per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
         total = math.ceil(args.num_train_epochs * per_epoch)
     return int(state.get("global_step", 0)) >= total
 

@@ -1,5 +1,6 @@
 """The HTTP face: OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` (streamed as server-sent events
-when asked), ``/v1/models``, ``/health`` and ``/metrics``, in front of one :class:`~decode.commands.serve.worker.Worker`.
+when asked), ``/v1/models``, ``/health`` and ``/metrics``, in front of one
+:class:`~decode.commands.serve.worker.Worker`.
 
 Every failure a client can cause is a 4xx with an OpenAI error body (``protocol.APIError``); a handler never
 lets an exception become a bare 500, and none can stop the worker. A client that goes away (a closed stream,
@@ -200,7 +201,8 @@ def create_app(worker: Worker, tokenizer, cfg: ServeConfig) -> FastAPI:
             raise APIError(400, f"max_tokens must be >= 1, got {limit}", param="max_tokens")
         if len(ids) + limit > cfg.context:
             raise APIError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({limit}) exceed the model's "
-                                f"context of {cfg.context} tokens; lower max_tokens to at most {cfg.context - len(ids)}",
+                                f"context of {cfg.context} tokens; lower max_tokens to at most "
+                               f"{cfg.context - len(ids)}",
                            param="max_tokens", code="context_length_exceeded")
         arms = worker.arm_indices(req.adaspec.arms) if req.adaspec and req.adaspec.arms else None
         try:

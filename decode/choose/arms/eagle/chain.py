@@ -157,7 +157,8 @@ class EagleArm(Arm):
         x = torch.tensor([next_tokens], device=self.device)
         pos = self.cache.positions(len(next_tokens))
         # the true features are kept in float32; the head runs in its own dtype (bfloat16 on a GPU, float64 in tests)
-        pred = self.head(feats.unsqueeze(0).to(self.dtype), x, past_key_values=self.cache.hf, use_cache=True, position_ids=pos)
+        pred = self.head(feats.unsqueeze(0).to(self.dtype), x, past_key_values=self.cache.hf, use_cache=True,
+                         position_ids=pos)
         self.cache.advance(len(next_tokens))
         return pred[0, -1]
 
