@@ -185,8 +185,8 @@ class EvalConfig:
         cfg.check_outputs()
         if a.get("categories") is not None:
             cfg.categories = [c.strip() for c in a["categories"].split(",") if c.strip()]
-        from ..engine.pools import collect_arms
-        collected = collect_arms(a.get("arms"), cfg.pool, "pld:L=4;suffix:L=6")  # each spec checked
+        from ..engine.pools import MODEL_FREE_ARMS, collect_arms
+        collected = collect_arms(a.get("arms"), cfg.pool, MODEL_FREE_ARMS)  # each spec checked
         cfg.arms = collected.arms
         cfg.policies = parse_policy_specs(a.get("policies") or "")
         from ..choose.policies import build_policy

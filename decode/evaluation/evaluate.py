@@ -29,6 +29,7 @@ from ..common import metrics
 from ..choose.arms.none import NoSpecArm
 from ..common.device import DTYPES
 from ..engine.loop import Generation, SpecEngine, build_engine
+from ..engine.pools import MODEL_FREE_ARMS
 from ..common.errors import UserError
 from .eval_config import MAX_SEED, EvalConfig, add_decoding_arguments, check_resume
 from ..common.io import JsonlLog, read_jsonl_log
@@ -51,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", help="Spec-Bench style JSONL (question_id, category, turns); default: built-in mixed set")
     p.add_argument("--categories", help="comma-separated categories to keep (default: all)")
     p.add_argument("--limit", type=int, help="at most N >= 1 prompts per category")
-    p.add_argument("--arms", default="pld:L=4;suffix:L=6",
+    p.add_argument("--arms", default=MODEL_FREE_ARMS,
                    help="arm specs separated by ';' (e.g. 'pld:L=4;suffix:L=8;drafter:path=DIR,L=4;none')")
     p.add_argument("--pool", help="pool YAML (recipes/pools/*.yaml); its arms are added to --arms")
     p.add_argument("--policies", default="ucbspec;exp3spec",
