@@ -80,7 +80,9 @@ def _engine(model, module, sampling=GREEDY, pool=("neural", "pld:L=3", "none"), 
             return _tree(model, module, sampling, seed)
         if s == "tree_union":
             return UnionArm([make("tree"), build_arm("pld:L=2", env)], nodes=8, greedy=sampling.greedy)
-        return _neural(model, module, sampling, seed, L=int(s[7:] or 3)) if s.startswith("neural") else build_arm(s, env)
+        if s.startswith("neural"):
+            return _neural(model, module, sampling, seed, L=int(s[7:] or 3))
+        return build_arm(s, env)
 
     def make_arms():
         return [make(s) for s in pool]
@@ -473,7 +475,8 @@ def test_sampled_union_rows_follow_the_targets_distribution():
         g = torch.Generator().manual_seed(seed)
         eng = BatchEngine(m, lambda: [UnionArm([EagleArm(head, m, cfg, 2, generator=g), build_arm("pld:L=3", env)],
                                                nodes=5, greedy=False)],
-                          lambda K: build_policy("fixed:arm=0", K, 4), Verifier(cfg, "torch", torch.Generator().manual_seed(seed)))
+                          lambda K: build_policy("fixed:arm=0", K, 4),
+                          Verifier(cfg, "torch", torch.Generator().manual_seed(seed)))
         rows = eng.generate([prompt] * 8 + [[4, 5, 6, 4, 5]], 3)  # the first round drafts 2 deep (1 token left)
         assert eng.history[0].width > 3  # trees went through the batch
         for r in rows[:8]:

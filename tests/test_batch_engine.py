@@ -148,7 +148,8 @@ def test_rows_join_into_the_caches_room_and_keep_their_slots(model):
     assert c.rows == 5 and c.row_room == 8 and c._base[0][0].data_ptr() != base
     torch.testing.assert_close(keys(c, 3, 3), own[1])
     assert c.lengths() == [4, 5, 2, 3, 0] and c.hf.layers[0].keys.shape[0] == 5
-    assert fill_holes(5, {1, 4}) == [0, 3, 2] and fill_holes(5, {0, 1}) == [3, 4, 2] and fill_holes(3, set()) == [0, 1, 2]
+    assert fill_holes(5, {1, 4}) == [0, 3, 2] and fill_holes(5, {0, 1}) == [3, 4, 2]
+    assert fill_holes(3, set()) == [0, 1, 2]
     c.select(fill_holes(5, {1, 4}))  # the row after the kept count moves alone into the free place
     assert c.lengths() == [4, 3, 2]
     for row, (i, n) in enumerate([(2, 4), (1, 3), (3, 2)]):
@@ -170,7 +171,8 @@ class _FakeNeural:
         return (self,)
 
 
-@pytest.mark.parametrize("spec", ["router:carry=true", "router:cost=true,carry=true", "ucbspec:fullinfo=true,carry=true"])
+@pytest.mark.parametrize("spec", ["router:carry=true", "router:cost=true,carry=true",
+                                  "ucbspec:fullinfo=true,carry=true"])
 def test_full_information_and_cost_policies_learn_per_row_and_stay_lossless(model, spec):
     """The router batched: each row's arms propose from its prefix before its choice (the features it reads), and
     the drafts it did not play are scored against what the row emits; one policy object shared by every row (a

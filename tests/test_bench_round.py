@@ -109,7 +109,8 @@ def test_bench_round_with_the_cost_controller_reports_its_lengths_and_plans(tiny
     plan = pld["cost_plan"]
     assert plan["expected_tokens_per_step"] > 0 and plan["realised_tokens_per_step"] > 0
     assert "tokens/step expected" in rep["table"] and sum(pld["draft_lengths"].values()) == pld["rounds"]
-    curve = rep["cost_curve"]["prefix"]  # auto on a CPU; the run's verification curve: every round of every arm measured
+    # the prefix cache (auto on a CPU); the run's verification curve: every round of every arm measured
+    curve = rep["cost_curve"]["prefix"]
     assert curve["forwards"] == sum(b["rounds"] for b in rep["arms"].values())
     assert all(row["1"] == 1.0 for row in curve["steps"].values()) and "Verification cost c(n)" in rep["table"]
     assert main(["bench-round", "--length", "costly"]) == 2

@@ -91,7 +91,8 @@ def test_every_report_field_is_documented_and_every_documented_one_present(runs)
     undocumented = sorted(actual - doc.keys())
     assert not undocumented, f"fields of report.json missing from docs/report_schema.md: {undocumented}"
     # run A has peers, policies and an oracle: only the CUDA-only field and compile information (run A
-    # compiles nothing and uses no cost controller; tests/test_evaluate.py checks a compiled run's fields) may be absent on this CPU
+    # compiles nothing and uses no cost controller; tests/test_evaluate.py checks a compiled run's fields) may be absent
+    # on this CPU
     packs = onednn_usable("cpu", torch.float32) is None  # --linear auto measures only where packing runs
     expected = {p for p, present in doc.items()
                 if present not in ("on CUDA", "when anything compiled") and "--length cost" not in present

@@ -286,8 +286,8 @@ def test_generate_batch_greedy_equals_plain_generate_and_rows_stop_at_eos(tiny):
 def test_distill_end_to_end_on_a_tiny_target(tmp_path, tiny, tiny_target_dir):
     model, tok = tiny
     leak = spec_bench_turns("qa")[0]
-    f = write_jsonl(tmp_path / "p.jsonl", [{"q": f"Question number {i}?"} for i in range(5)] + [{"q": leak},
-                                                                                              {"q": "question NUMBER 1"}])
+    rows = [{"q": f"Question number {i}?"} for i in range(5)] + [{"q": leak}, {"q": "question NUMBER 1"}]
+    f = write_jsonl(tmp_path / "p.jsonl", rows)
     r = tiny_recipe(tmp_path, tiny_target_dir, f)
     m = distill(r, model=model, tokenizer=tok, progress=False)
     assert m["status"] == "complete" and m["planned_rows"] == 10 and m["shards"] == 4

@@ -392,7 +392,8 @@ def _engine(model, arms, target):
     return SpecEngine(target, arms, Verifier(GREEDY))
 
 
-@pytest.mark.parametrize("cache,layer", [("dynamic", "eagle1"), ("static", "eagle1"), ("static", "eagle3"), ("prefix", "eagle3")])
+@pytest.mark.parametrize("cache,layer", [("dynamic", "eagle1"), ("static", "eagle1"), ("static", "eagle3"),
+                                         ("prefix", "eagle3")])
 def test_fused_head_greedy_lossless_and_true_entries(cache, layer):
     model = tiny_llama(layers=4, seed=5)
     target = Target(model, cache=cache)

@@ -1,5 +1,5 @@
-"""decode/evaluation/evaluate.py and decode/evaluation/report.py: summaries on hand-made records, policy-spec parsing, the hf
-reference against our engine, and per-method state (length controllers) in a real run on the tiny target."""
+"""decode/evaluation/evaluate.py and decode/evaluation/report.py: summaries on hand-made records, policy-spec parsing,
+the hf reference against our engine, and per-method state (length controllers) in a real run on the tiny target."""
 import copy
 import json
 
@@ -72,7 +72,8 @@ def test_timing_warnings_flag_a_speedup_beyond_mat():
 
 def test_policies_split_on_semicolons_and_keep_parameters_together():
     from decode.choose.policies import build_policy
-    for text in ("ducb:discount=0.9,c=0.1,ucbspec", "ducb:discount=0.9,c=0.1;ucbspec", "ducb:discount=0.9, c=0.1; ucbspec"):
+    for text in ("ducb:discount=0.9,c=0.1,ucbspec", "ducb:discount=0.9,c=0.1;ucbspec",
+                 "ducb:discount=0.9, c=0.1; ucbspec"):
         assert parse_policy_specs(text) == ["ducb:discount=0.9,c=0.1", "ucbspec"], text
     p = build_policy("ducb:discount=0.9,c=0.1", 2, 4)
     assert (p.discount, p.c) == (0.9, 0.1)

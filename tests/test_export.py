@@ -220,7 +220,8 @@ def test_bad_inputs_are_refused_with_the_fix(target, tmp_path, capsys):
     ee = tmp_path / "ee"
     save_head(EarlyExitDrafter(target, 1), ee)
     msg = err(ee, "--format", "eagle", "--out", tmp_path / "o")
-    assert "'early_exit' artifact" in msg and "early_exit: none (runtime-only)" in msg and "eagle: eagle, speculators" in msg
+    assert "'early_exit' artifact" in msg and "early_exit: none (runtime-only)" in msg
+    assert "eagle: eagle, speculators" in msg
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("x")
@@ -436,7 +437,8 @@ def test_eagle3_head_exports_to_speculators_eagle3(target4, tmp_path):
     assert torch.equal(w["t2d"].nonzero().flatten(), ids)
     assert torch.equal(w["lm_head.weight"], target.lm_head.weight[ids])
     assert w["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * target.config.hidden_size
-    assert "layers.0.hidden_norm.weight" in w and torch.equal(w["embed_tokens.weight"], target.model.embed_tokens.weight)
+    assert "layers.0.hidden_norm.weight" in w
+    assert torch.equal(w["embed_tokens.weight"], target.model.embed_tokens.weight)
     meta = json.loads((out / EXPORT_META).read_text())
     assert meta["eagle3"] and meta["vllm_loadable"] and meta["max_abs_logit_diff"] <= 1e-5
     assert "pruned_vocab_dropped" not in meta  # the layout holds the draft vocabulary

@@ -267,7 +267,8 @@ def test_kernel_invalid_inputs_are_user_errors(fused):
 
 
 @pytest.mark.skipif(not CUDA, reason="real vocabulary sizes need the compiled kernel")
-@pytest.mark.parametrize("dtype,with_q,cfg", [(BF16, False, T1), (F32, True, TOPKP), (BF16, False, SamplingConfig(0.0))])
+@pytest.mark.parametrize("dtype,with_q,cfg", [(BF16, False, T1), (F32, True, TOPKP),
+                                              (BF16, False, SamplingConfig(0.0))])
 def test_kernel_large_vocab_default_tuning(fused, dtype, with_q, cfg):
     """152k vocabulary, default blocks/chunks. The GPU's exp differs from the CPU reference's in the
     last bits, so over 152k inverse-CDF boundaries a draw may flip rarely: allow one of 16."""

@@ -232,7 +232,8 @@ def tiny_distilled(tmp_path_factory, tiny_target_dir):
     d = tmp_path_factory.mktemp("heads")
     r = load_distill_recipe(task="math", overrides=[
         f"target={tiny_target_dir}", "num_prompts=10", "generation.max_new_tokens=20", "generation.temperatures=[0.0]",
-        "generation.batch_size=10", f"out={d}/distill/math", "shard_size=10", "leakage.eval_files=[]", "filters.rules=[]"])
+        "generation.batch_size=10", f"out={d}/distill/math", "shard_size=10", "leakage.eval_files=[]",
+        "filters.rules=[]"])
     distill(r, progress=False)
     common = [f"target={tiny_target_dir}", f"data.root={d}/distill", "data.heldout_fraction=0.3", "train.max_steps=3",
               "train.batch_size=2", "train.save_steps=2", "progress=false"]

@@ -68,13 +68,15 @@ def test_a_unions_eagle_sub_arm_is_packed_and_stays_lossless():
     model = tiny_llama(layers=2, seed=3)
     head = EagleHead(model)
     target = Target(pack_linears(model), want_hidden=True, cache="dynamic")
-    union = UnionArm([EagleArm(head, model, GREEDY, L=3, target=target), build_arm("pld:L=3", ArmEnv(model, None, GREEDY))],
+    union = UnionArm([EagleArm(head, model, GREEDY, L=3, target=target),
+                      build_arm("pld:L=3", ArmEnv(model, None, GREEDY))],
                      nodes=6)
     assert [a.name for a in union.parts] == ["eagle", "pld"]
     assert pack_arm_linears([union], model) == 8 and isinstance(head.fc, PackedLinear)
     eng = SpecEngine(target, [union], Verifier(GREEDY))
     for prompt in PROMPTS:
-        assert eng.generate(prompt, build_policy("fixed:arm=0", 1, eng.max_len), 30).tokens == plain_greedy(model, prompt, 30)
+        out = eng.generate(prompt, build_policy("fixed:arm=0", 1, eng.max_len), 30)
+        assert out.tokens == plain_greedy(model, prompt, 30)
 
 
 def test_build_engine_packs_only_its_own_copy(tiny_target_dir):
@@ -125,7 +127,8 @@ def test_auto_keeps_the_linears_that_measured_faster(faster, tiny_target_dir, ca
 
     kind, run_model, info = probe_linear(model, positions=(1, 3), reps=2, measure=measure)
     assert kind == faster and info["chosen"] == faster
-    assert info["ms"][faster] == {"1": 2.0, "3": 6.0} and info["ms"]["stock" if faster == "onednn" else "onednn"]["3"] == 9.0
+    assert info["ms"][faster] == {"1": 2.0, "3": 6.0}
+    assert info["ms"]["stock" if faster == "onednn" else "onednn"]["3"] == 9.0
     assert info["packed_from"] == (1 if faster == "onednn" else None)
     assert len(calls) == 2 * 2 * 3  # two kinds × two sizes × (warm-up + two reps), interleaved
     assert (run_model is model) == (faster == "stock") and not any(isinstance(m, PackedLinear) for m in model.modules())

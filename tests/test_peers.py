@@ -180,8 +180,8 @@ def test_peers_on_the_default_target(smol, tiny_drafter_dir, one_thread):
     ids = encode_prompt(tok, COPY_PROMPT)
     ref = P.HFMethod(model, GREEDY, eos, 0).decode(ids, 0, 40)
     assert ref["new_tokens"] >= 20
-    pld, early, assisted = P.build_peers(["hf-pld:L=4", "hf-early-exit:layers=4", f"hf-assisted:path={tiny_drafter_dir}"],
-                                         model, tok, GREEDY, eos, 0)
+    specs = ["hf-pld:L=4", "hf-early-exit:layers=4", f"hf-assisted:path={tiny_drafter_dir}"]
+    pld, early, assisted = P.build_peers(specs, model, tok, GREEDY, eos, 0)
     for p in (pld, early, assisted):
         r = p.decode(ids, 0, 40)
         _check_record(r, ref)
@@ -201,4 +201,5 @@ def test_hf_static_equals_plain_generate(tiny, one_thread, compile):
     assert first["token_ids"] == ref["token_ids"] and first["stopped_by"] == ref["stopped_by"]
     # a shorter prompt reuses the (larger) cache transformers kept: same tokens again
     short = ids[: len(ids) // 2]
-    assert peer.decode(short, 1, 20)["token_ids"] == P.HFMethod(model, GREEDY, _eos(tok), 0).decode(short, 1, 20)["token_ids"]
+    reference = P.HFMethod(model, GREEDY, _eos(tok), 0).decode(short, 1, 20)
+    assert peer.decode(short, 1, 20)["token_ids"] == reference["token_ids"]

@@ -179,7 +179,8 @@ def test_gpu_budget_runs_end_to_end_on_cpu_when_shrunk(smol_path, tmp_path, caps
     # trained on both: the four-temperature answers and the stopped greedy run's finished shard
     from toolkit.distill import load_distilled
     from toolkit.train.data import is_heldout
-    prompts = [p for d in ("math", "math_greedy") for p in load_distilled(out / "distill" / d, allow_partial=True)["prompt"]]
+    prompts = [p for d in ("math", "math_greedy")
+               for p in load_distilled(out / "distill" / d, allow_partial=True)["prompt"]]
     assert len(prompts) == 2 * 4 + 2
     trained = json.loads((out / "heads" / "eagle3" / "eval.json").read_text())["train_examples"]["distilled"]
     assert trained == sum(not is_heldout(p, 0.125) for p in prompts)

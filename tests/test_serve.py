@@ -216,7 +216,8 @@ def test_bounded_load_50_requests_from_8_clients(server, target):
 def test_a_request_may_name_its_own_arms(server):
     before = server.worker.requests_learnt
     r = client(server).chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Say hi"}],
-                                               max_tokens=10, temperature=0, extra_body={"adaspec": {"arms": ["suffix@6"]}})
+                                               max_tokens=10, temperature=0,
+                                               extra_body={"adaspec": {"arms": ["suffix@6"]}})
     info = r.model_extra["adaspec"]
     assert info["arm_set"] == ["suffix@6"] and set(info["arms_played"]) == {"suffix@6"} and info["policy"] == "fixed"
     assert server.worker.requests_learnt == before  # a subset request does not teach the pool's policy
@@ -323,8 +324,9 @@ def test_the_cli_serves_and_saves_its_state_on_ctrl_c(echo_target_dir, tmp_path)
                 url = m.group(1)
                 break
         assert url, "the server never said where it listens"
-        r = httpx.post(url + "/v1/chat/completions", json={"model": echo_target_dir, "max_tokens": 8, "temperature": 0,
-                                                            "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        body = {"model": echo_target_dir, "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         proc.send_signal(signal.SIGINT)
         rest = proc.stderr.read()

@@ -57,7 +57,8 @@ def test_ship_writes_a_float16_folder_that_drafts_like_the_original(trained_head
     # the run record names paths under the working directory relatively, others as they were
     record = json.loads((out / "run.json").read_text())
     assert record["data"]["root"] == "runs/distill" and record["elsewhere"] == ["/elsewhere/data.jsonl"]
-    assert record["train"] == {"epochs": 1, "dtype": "bfloat16"} and json.loads((out / "eval.json").read_text())["heldout"]
+    assert record["train"] == {"epochs": 1, "dtype": "bfloat16"}
+    assert json.loads((out / "eval.json").read_text())["heldout"]
     # it loads as a head of the target and drafts the same top-1 tokens as the float32 original
     a, b = load_head(folder, target), load_head(out, target)
     feats = torch.randn(1, 8, target.config.hidden_size, generator=torch.Generator().manual_seed(1))

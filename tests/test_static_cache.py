@@ -191,8 +191,8 @@ def saved_heads(tmp_path_factory):
 def _all_arms_engine(model, heads_dir, kind):
     target = Target(model, cache=kind)
     env = ArmEnv(model, TinyTokenizer(64), GREEDY, target=target, cache=kind)
-    arms = [build_arm(s, env) for s in ("pld:L=4", "suffix:L=5,min_match=1",
-                                        f"early_exit:path={heads_dir / 'ee'},L=4", f"eagle:path={heads_dir / 'eagle'},L=3")]
+    arms = [build_arm(s, env) for s in ("pld:L=4", "suffix:L=5,min_match=1", f"early_exit:path={heads_dir / 'ee'},L=4",
+                                        f"eagle:path={heads_dir / 'eagle'},L=3")]
     arms.append(DrafterModelArm(tiny_llama(layers=1, seed=5), GREEDY, 3, cache=kind))  # a weak drafter
     arms.append(DrafterModelArm(model, GREEDY, 5, cache=kind))  # a perfect drafter (the target itself)
     return SpecEngine(target, arms, Verifier(GREEDY))

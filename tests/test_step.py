@@ -145,7 +145,8 @@ def test_rounds_trace_live_entries_are_the_live_rounds(models):
 
 def test_engine_does_not_import_traces_and_generate_has_no_trace_parameter():
     root = Path(__file__).resolve().parents[1]
-    code = "import sys, decode.engine.loop; assert 'decode.simulation.traces' not in sys.modules, 'engine imports traces'"
+    code = ("import sys, decode.engine.loop; "
+            "assert 'decode.simulation.traces' not in sys.modules, 'engine imports traces'")
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120)
     src = (root / "decode" / "engine" / "loop.py").read_text()
     assert "traces" not in "".join(line for line in src.splitlines() if line.lstrip().startswith(("import", "from")))

@@ -44,7 +44,8 @@ def test_top_k_top_p_processing():
 
 def test_inverse_cdf_sampling():
     p = torch.tensor([[0.2, 0.0, 0.5, 0.3]])
-    assert [sample_from(p, torch.tensor([u])).item() for u in (0.0, 0.19, 0.21, 0.69, 0.71, 0.999)] == [0, 0, 2, 2, 3, 3]
+    draws = [sample_from(p, torch.tensor([u])).item() for u in (0.0, 0.19, 0.21, 0.69, 0.71, 0.999)]
+    assert draws == [0, 0, 2, 2, 3, 3]
 
 
 def test_sample_from_falls_back_to_the_last_token_with_mass():
