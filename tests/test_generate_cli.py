@@ -275,6 +275,22 @@ def test_bad_arm_parameters_are_a_clear_error(tiny_target_dir, capsys):
     assert code == 2 and "L must be an integer" in err and "Traceback" not in err
 
 
+def test_a_cost_controllers_probe_runs_in_the_untimed_warm_up(tiny_target_dir, capsys, monkeypatch):
+    """With cost lengths the verification curve is probed in the warm-up, so the first prompt's summary (its tokens/s)
+    does not count the probe, as no later prompt's does."""
+    import decode.engine.loop as loop
+    from decode.choose.policies.simple import Fixed
+    calls = []
+    probe, begin = loop.probe, loop.SpecEngine.begin
+    monkeypatch.setattr(loop, "probe", lambda *a, **kw: (calls.append("probe"), probe(*a, **kw))[1])
+    monkeypatch.setattr(loop.SpecEngine, "begin", lambda self, ids, policy, *a, **kw: (
+        calls.append("warm-up" if isinstance(policy, Fixed) else "prompt"), begin(self, ids, policy, *a, **kw))[1])
+    code, out, err = generate(capsys, PROMPT, "--target", tiny_target_dir, "--arms", ARMS, "--length", "cost",
+                              "--max-new-tokens", "8")
+    assert code == 0, err
+    assert "probe" in calls and calls.index("prompt") > max(i for i, c in enumerate(calls) if c == "probe"), calls
+
+
 def test_without_arms_the_default_target_gets_the_shipped_pool_and_others_model_free_arms(tmp_path, monkeypatch):
     """What `decode generate` and `decode serve` run when neither --arms nor --pool is given: the trained pool that
     ships for the default target (with its length controller), model-free arms for any other target; a shipped pool

@@ -367,6 +367,8 @@ def test_one_at_a_time_rounds_take_the_pools_length_controller(tiny_target_dir, 
     with RunningServer(["--target", tiny_target_dir, "--arms", "", "--pool", str(pool), "--state-file", "none",
                         "--max-batch", "1", "--threads", "1"]) as s:
         assert isinstance(s.worker.length, CostAware) and "draft lengths: cost" in s.log.getvalue()
+        # its verification curve was probed at start, before any request: no request waits for the probe
+        assert set(range(1, s.worker.engine.max_len + 2)) <= s.worker.engine.cost.sizes()
         for _ in range(2):
             r = client(s).chat.completions.create(model=s.model, messages=msgs, max_tokens=24, temperature=0,
                                                   extra_body={"adaspec": {"return_token_ids": True}})

@@ -311,6 +311,8 @@ class Session:
             self.err.write(f"compiled {info['graphs']} target graph(s) in {info['seconds']:.0f} s "
                            f"(cached on disk in {info['cache_dir']})\n")
         self.engine.generate(ids, Fixed(len(self.labels), self.engine.max_len), n)
+        if self.length.uses_cost or self.policy.uses_cost:  # the verification curve probed now, untimed: the first
+            self.engine.seed_cost(ids)  # prompt's summary counted it (0.8-1.5 s of a 5 s reply on a 2-core CPU)
         if self.args.compare_hf:
             hf_generate(self.model, ids, n, self.sampling, self.eos, self.pad)
         self.warm = True

@@ -205,8 +205,10 @@ def build_server(args, err=sys.stderr):
         batch.prefix_cache = store
         worker = BatchWorker(engine, batch, make_arms, tok, gen, args.policy, max_batch=batch_size, **common)
     else:
-        engine.target.prefix_cache = store
         worker = Worker(engine, tok, gen, args.policy, length=length, **common)
+        if worker.length.uses_cost or worker.policy.uses_cost:  # the verification curve probed now, not while the
+            engine.seed_cost(warm)  # first request waits (0.8-1.5 s on a 2-core CPU with the shipped pool)
+        engine.target.prefix_cache = store
     cfg = ServeConfig(model_name=name, context=context, request_timeout=args.request_timeout,
                       max_body_bytes=args.max_body_bytes)
     notes = [f"arms: {', '.join(labels)}", f"policy: {args.policy}", batch_note]
