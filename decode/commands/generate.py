@@ -32,7 +32,6 @@ from ..core.models import (DEFAULT_TARGET, check_new_tokens, context_of, context
                            load_model, pad_token_id, target_context)
 from ..evaluation.peers import hf_generate
 from ..choose.policies import build_policy
-from ..choose.policies.simple import Fixed
 from ..core.sampling import SamplingConfig
 from ..common.specs import split_specs
 from ..core.prefix_cache import DEFAULT_MIB as PREFIX_CACHE_MIB, PrefixCache
@@ -301,8 +300,8 @@ class Session:
         torch.manual_seed(self.args.seed)
 
     def _warm_up(self, ids: list[int]) -> None:
-        """A short untimed decode first (one-off costs, and the step time the throughput reward uses), with
-        a fixed arm and no length controller, so the policy and controller learn nothing from it."""
+        """The engine's untimed warm-up (:meth:`SpecEngine.warm_up`: a short decode nothing learns from, and the
+        cost curve's probe where the length controller or policy reads it), and HF generate's with --compare-hf."""
         if self.warm:
             return
         n = min(8, self.args.max_new_tokens)
@@ -310,9 +309,7 @@ class Session:
         if info is not None:
             self.err.write(f"compiled {info['graphs']} target graph(s) in {info['seconds']:.0f} s "
                            f"(cached on disk in {info['cache_dir']})\n")
-        self.engine.generate(ids, Fixed(len(self.labels), self.engine.max_len), n)
-        if self.length.uses_cost or self.policy.uses_cost:  # the verification curve probed now, untimed: the first
-            self.engine.seed_cost(ids)  # prompt's summary counted it (0.8-1.5 s of a 5 s reply on a 2-core CPU)
+        self.engine.warm_up(ids, n, probe_cost=self.length.uses_cost or self.policy.uses_cost)
         if self.args.compare_hf:
             hf_generate(self.model, ids, n, self.sampling, self.eos, self.pad)
         self.warm = True

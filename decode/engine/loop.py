@@ -28,6 +28,7 @@ from ..choose.feedback import CounterfactualScorer, PendingRound
 from ..choose.length import LengthController
 from ..core.models import eos_token_ids
 from ..choose.policies.base import Policy
+from ..choose.policies.simple import Fixed
 from ..core.sampling import SamplingConfig
 from ..core.target import Target
 from ..core.tree import draft_depth
@@ -325,6 +326,16 @@ class SpecEngine:
         missing = [n for n in range(1, self.max_len + 2) if n not in measured]
         if missing:
             probe(self.cost, self.target, prompt_ids, missing, clock=self._clock)
+
+    def warm_up(self, prompt_ids: list[int], max_new_tokens: int = 8, probe_cost: bool = True) -> None:
+        """One untimed decode before any timed one (one-off costs, and the step time a throughput reward reads), with a
+        fixed arm and no length controller, so no policy or controller learns from it; with ``probe_cost`` (a length
+        controller or policy that reads the cost curve will decode) the verification curve probed too
+        (:meth:`seed_cost`), which the first timed query would otherwise pay for: 0.8-1.5 s of a 5 s reply of
+        `decode generate` with the shipped pool on a 2-core CPU."""
+        self.generate(prompt_ids, Fixed(len(self.arms), self.max_len), max_new_tokens)
+        if probe_cost:
+            self.seed_cost(prompt_ids)
 
     def generate(self, prompt_ids: list[int], policy: Policy, max_new_tokens: int,
                  length: LengthController | None = None, reset_policy: bool = True) -> Generation:

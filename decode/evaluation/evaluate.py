@@ -348,8 +348,7 @@ def _decode_all(cfg: EvalConfig, methods: list, prompts: list[Prompt], encoded: 
         if m.kind == "peer":
             m.decode(encoded[0], 0, warm)
     for engine in {id(m.engine): m.engine for m in methods if hasattr(m, "engine")}.values():
-        engine.generate(encoded[0], Fixed(len(engine.arms), engine.max_len), warm)
-        engine.seed_cost(encoded[0])  # a cost-aware method's probe of the curve, here, not in its first timed run
+        engine.warm_up(encoded[0], warm)  # with a cost-aware method's probe of the curve, not in its first timed run
     bar = tqdm(total=len(prompts) * len(methods), initial=len(done), desc="eval", unit="run", disable=cfg.no_progress)
     order = [m.name for m in methods]
     for pi, (p, ids) in enumerate(zip(prompts, encoded)):

@@ -28,7 +28,6 @@ from ...evaluation.eval_config import CACHES
 from ...core.linear import LINEAR_KINDS
 from ...core.models import DEFAULT_TARGET, cache_dir
 from ...choose.policies import build_policy
-from ...choose.policies.simple import Fixed
 from ...choose.length import build_length
 from ...core.prefix_cache import DEFAULT_MIB as PREFIX_CACHE_MIB, PrefixCache
 from ...engine.pools import DEFAULT_POLICY, MODEL_FREE_ARMS, default_pool
@@ -192,7 +191,7 @@ def build_server(args, err=sys.stderr):
     info = engine.prepare([len(warm)], 16, show=True)
     if info is not None:
         err.write(f"compiled {info['graphs']} target graph(s) in {info['seconds']:.0f} s\n")
-    engine.generate(warm, Fixed(len(labels), engine.max_len), 8)
+    engine.warm_up(warm, 8, probe_cost=False)  # probed below where a request will read the curve
     batch_size, batch_note = resolve_batching(args, engine, err)
     state = None if (args.state_file or "").lower() == "none" else (
         Path(args.state_file) if args.state_file else default_state_file(args.target, labels, args.policy))
