@@ -22,7 +22,7 @@ import torch
 
 from ..common import metrics
 from ..common.device import dtype_name, resolve_device, resolve_dtype
-from ..engine.loop import Generation, build_engine
+from ..engine.loop import Generation, build_engine, reads_cost
 from ..engine.pools import DEFAULT_POLICY, MODEL_FREE_ARMS, default_pool
 from ..common.errors import UserError
 from ..evaluation.eval_config import MAX_SEED, EvalConfig, add_decoding_arguments, resolve_cache
@@ -309,7 +309,7 @@ class Session:
         if info is not None:
             self.err.write(f"compiled {info['graphs']} target graph(s) in {info['seconds']:.0f} s "
                            f"(cached on disk in {info['cache_dir']})\n")
-        self.engine.warm_up(ids, n, probe_cost=self.length.uses_cost or self.policy.uses_cost)
+        self.engine.warm_up(ids, n, probe_cost=reads_cost(self.policy, self.length))
         if self.args.compare_hf:
             hf_generate(self.model, ids, n, self.sampling, self.eos, self.pad)
         self.warm = True

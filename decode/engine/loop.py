@@ -35,6 +35,12 @@ from ..core.tree import draft_depth
 from ..core.verify import Verifier
 
 
+def reads_cost(policy: Policy, length: LengthController) -> bool:
+    """Whether a query decoded with ``policy`` and ``length`` reads the verification cost curve (which is then
+    probed first: :meth:`SpecEngine.seed_cost`)."""
+    return policy.uses_cost or length.uses_cost
+
+
 class TokenBudget:
     """What a sequence in flight knows of its end: ``max_new_tokens``, ``tokens`` generated, ``stopped_by``
     (one definition for the serial engine's query and the batched engine's row)."""
@@ -194,7 +200,7 @@ class SpecEngine:
         length.reset()
         if length.uses_cost:
             length.use_cost(self.cost)
-        if length.uses_cost or policy.uses_cost:
+        if reads_cost(policy, length):
             self.seed_cost(prompt_ids)
         for arm in self.arms:
             arm.reset(prompt_ids)

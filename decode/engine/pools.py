@@ -203,10 +203,11 @@ def collect_arms(arms: str | None, pool: str | None, example: str) -> Pool:
     return Pool(specs, length)
 
 
-def default_pool(target: str, arms: str | None, pool: str | None, err: TextIO = sys.stderr) -> Pool:
+def default_pool(target: str, arms: str | None, pool: str | None, err: TextIO | None = None) -> Pool:
     """``--arms`` (+ ``--pool``) as given (:func:`collect_arms`); with neither, the shipped pool for the default target
     (its trained head, with the pool's ``length``), else :data:`MODEL_FREE_ARMS`. A shipped pool that cannot be used
-    (its head missing from a partial checkout) is said on ``err`` and the model-free arms run instead."""
+    (its head missing from a partial checkout) is said on ``err`` (default: stderr as it is then) and the model-free
+    arms run instead."""
     from ..core.models import DEFAULT_TARGET
     if arms is not None or pool is not None:
         return collect_arms(arms, pool, MODEL_FREE_ARMS)
@@ -214,5 +215,5 @@ def default_pool(target: str, arms: str | None, pool: str | None, err: TextIO = 
         try:
             return load_pool(SHIPPED_POOL)
         except UserError as exc:
-            err.write(f"note: the shipped pool is not usable ({exc}); running {MODEL_FREE_ARMS}\n")
+            (err or sys.stderr).write(f"note: the shipped pool is not usable ({exc}); running {MODEL_FREE_ARMS}\n")
     return collect_arms(MODEL_FREE_ARMS, None, MODEL_FREE_ARMS)

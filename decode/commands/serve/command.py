@@ -33,6 +33,7 @@ from ...core.prefix_cache import DEFAULT_MIB as PREFIX_CACHE_MIB, PrefixCache
 from ...engine.pools import DEFAULT_POLICY, MODEL_FREE_ARMS, default_pool
 from ...core.sampling import SamplingConfig
 from ...evaluation.suites import encode_prompt
+from ...engine.loop import reads_cost
 from ..generate import load_engine
 from .limits import BODY_BYTES_PER_TOKEN, BODY_SLACK, default_max_body_bytes
 
@@ -205,7 +206,7 @@ def build_server(args, err=sys.stderr):
         worker = BatchWorker(engine, batch, make_arms, tok, gen, args.policy, max_batch=batch_size, **common)
     else:
         worker = Worker(engine, tok, gen, args.policy, length=length, **common)
-        if worker.length.uses_cost or worker.policy.uses_cost:  # the verification curve probed now, not while the
+        if reads_cost(worker.policy, worker.length):  # the verification curve probed now, not while the
             engine.seed_cost(warm)  # first request waits (0.8-1.5 s on a 2-core CPU with the shipped pool)
         engine.target.prefix_cache = store
     cfg = ServeConfig(model_name=name, context=context, request_timeout=args.request_timeout,
