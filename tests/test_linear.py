@@ -110,28 +110,38 @@ def test_resolve_linear_picks_or_refuses_with_the_reason():
     with pytest.raises(UserError, match="on cuda"):
         resolve_linear("onednn", "cuda", torch.bfloat16)
     assert resolve_linear("auto", "cuda", torch.bfloat16) == "stock"
-    with pytest.raises(UserError, match="--linear must be one of auto, onednn, stock"):
+    with pytest.raises(UserError, match="--linear must be one of auto, onednn, stream, stock"):
         resolve_linear("fast", "cpu", torch.float32)
+    with pytest.raises(UserError, match="dtype bfloat16 .the stream kernel is float32.*--linear stock"):
+        resolve_linear("stream", "cpu", torch.bfloat16)
+    with pytest.raises(UserError, match="on cuda"):
+        resolve_linear("stream", "cuda", torch.float32)
 
 
-@pytest.mark.parametrize("faster", ["stock", "onednn"])
+def _kind(m) -> str:
+    head = m.get_output_embeddings()
+    return head.kernel if isinstance(head, PackedLinear) else "stock"
+
+
+@pytest.mark.parametrize("faster", ["stock", "onednn", "stream"])
 def test_auto_keeps_the_linears_that_measured_faster(faster, tiny_target_dir, capsys, monkeypatch):
     model = tiny_llama(layers=2, seed=3)
     calls = []
 
-    def measure(m, n):  # a fake clock: the chosen kind is 2 ms a position, the other 3 ms
-        packed = isinstance(m.get_output_embeddings(), PackedLinear)
-        calls.append((packed, n))
+    def measure(m, n):  # a fake clock: the chosen kind is 2 ms a position, the others 3 ms
+        calls.append((_kind(m), n))
         m(input_ids=torch.tensor([list(range(1, n + 1))]), use_cache=False)  # it still runs the model
-        return n * (0.002 if packed == (faster == "onednn") else 0.003)
+        return n * (0.002 if _kind(m) == faster else 0.003)
 
     kind, run_model, info = probe_linear(model, positions=(1, 3), reps=2, measure=measure)
     assert kind == faster and info["chosen"] == faster
     assert info["ms"][faster] == {"1": 2.0, "3": 6.0}
-    assert info["ms"]["stock" if faster == "onednn" else "onednn"]["3"] == 9.0
-    assert info["packed_from"] == (1 if faster == "onednn" else None)
-    assert len(calls) == 2 * 2 * 3  # two kinds × two sizes × (warm-up + two reps), interleaved
+    assert all(info["ms"][k]["3"] == 9.0 for k in ("stock", "onednn", "stream") if k != faster)
+    assert info["packed_from"] == (None if faster == "stock" else 1)
+    assert info["kernel"] == (None if faster == "stock" else faster)
+    assert len(calls) == 3 * 2 * 3  # three kinds × two sizes × (warm-up + two reps), interleaved
     assert (run_model is model) == (faster == "stock") and not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert _kind(run_model) == faster
     assert f"--linear auto: {faster} linears" in capsys.readouterr().err
     # through build_engine: the measured kind is recorded on the target and decoding stays exact
     from decode.core.models import load_model
@@ -144,31 +154,40 @@ def test_auto_keeps_the_linears_that_measured_faster(faster, tiny_target_dir, ca
     assert eng.generate(ids, build_policy("fixed:arm=0", 1, eng.max_len), 12).tokens == plain_greedy(m, ids, 12)
 
 
-def test_auto_packs_from_the_size_where_packing_starts_to_pay(capsys):
-    """Stock faster for 1-2 positions, packed from 3 on: ``mixed`` — one packed model whose linears run stock
+def test_auto_says_which_kernel_it_left_out_and_why(capsys, monkeypatch):
+    import decode.core.linear as linear
+    monkeypatch.setattr(linear, "stream_usable", lambda: "building stream_linear.cpp failed (no compiler)")
+    model = tiny_llama(layers=2, seed=3)
+    kind, _, info = probe_linear(model, positions=(1, 2), reps=1,
+                                 measure=lambda m, n: 0.001 * n * (2 if _kind(m) == "stock" else 1))
+    assert kind == "onednn" and set(info["ms"]) == {"stock", "onednn"}
+    assert "--linear auto: stream left out: building stream_linear.cpp failed (no compiler)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "stream"])
+def test_auto_packs_from_the_size_where_packing_starts_to_pay(kernel, capsys, monkeypatch):
+    """Stock faster for 1-2 positions, the kernel from 3 on: ``mixed`` — one packed model whose linears run stock
     below 3 rows — and its logits are the stock model's at every size."""
     model = tiny_llama(layers=2, seed=3)
 
     def measure(m, n):
-        packed = isinstance(m.get_output_embeddings(), PackedLinear)
+        packed = _kind(m) != "stock"
         return 0.001 * n * ((1.0 if n < 3 else 3.0) if not packed else (1.5 if n < 3 else 2.0))
 
-    kind, run_model, info = probe_linear(model, positions=(1, 2, 3, 4), reps=1, measure=measure)
-    assert (kind, info["chosen"], info["packed_from"]) == ("mixed", "mixed", 3)
-    assert "onednn from 3 positions on, stock below" in capsys.readouterr().err
+    kind, run_model, info = probe_linear(model, positions=(1, 2, 3, 4), reps=1, measure=measure, kernels=(kernel,))
+    assert (kind, info["chosen"], info["kernel"], info["packed_from"]) == ("mixed", "mixed", kernel, 3)
+    assert f"{kernel} from 3 positions on, stock below" in capsys.readouterr().err
     packed = [m for m in run_model.modules() if isinstance(m, PackedLinear)]
-    assert packed and all(m.packed_from == 3 for m in packed)
+    assert packed and all(m.packed_from == 3 and m.kernel == kernel for m in packed)
     calls = []
     import decode.core.linear as linear
-    real = linear.packed_linear
-    linear.packed_linear = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        with torch.inference_mode():
-            for n in (1, 2, 3, 5):
-                ids = torch.tensor([list(range(1, n + 1))])
-                before = len(calls)
-                a, b = model(input_ids=ids).logits, run_model(input_ids=ids).logits
-                assert (len(calls) > before) == (n >= 3)  # packed kernels only from 3 rows
-                torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
-    finally:
-        linear.packed_linear = real
+    name = "packed_linear" if kernel == "onednn" else "stream_linear"
+    real = getattr(linear, name)
+    monkeypatch.setattr(linear, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        for n in (1, 2, 3, 5):
+            ids = torch.tensor([list(range(1, n + 1))])
+            before = len(calls)
+            a, b = model(input_ids=ids).logits, run_model(input_ids=ids).logits
+            assert (len(calls) > before) == (n >= 3)  # packed kernels only from 3 rows
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)

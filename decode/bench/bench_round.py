@@ -66,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's verification forward (needs --cache static)")
     p.add_argument("--linear", choices=LINEAR_KINDS, default="auto",
-                   help="the target's linear layers: onednn (pre-packed, CPU), stock, or auto (default: onednn on "
-                        "a CPU)")
+                   help="the target's linear layers: onednn (pre-packed, CPU), stream (our CPU kernel), stock, or "
+                        "auto (default: the fastest measured on a CPU)")
     p.add_argument("--length", default="fixed",
                    help="draft-length controller per arm (as for `decode eval --length`, e.g. cost): the table then "
                         "shows the lengths it chose and, for cost, its expected vs realised tokens per step")

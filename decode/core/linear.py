@@ -25,6 +25,12 @@ plain ``generate``). Which is faster is a property of the machine and its BLAS, 
 number of positions: on that Xeon stock won for 1–3 positions and packing from 4 on (a forward at 300 tokens
 of context: 4 positions 51.3 ms packed vs 54.6 stock, 6: 54.9 vs 59.8, 8: 58.0 vs 67.0), so ``auto`` may pick
 ``mixed``: the packed model with ``PackedLinear.packed_from`` rows, below which each linear runs stock.
+
+``stream`` (decode/core/kernels/stream.py): a kernel of ours that reads each float32 weight once for up to 8 rows
+at a time, flat where both BLAS paths are not (that Xeon: a forward of 2 / 4 / 8 / 12 positions 74 / 78 / 87 /
+90 ms against stock's 73 / 97 / 113 / 138 and oneDNN's 97 / 100 / 106 / 138, in one interleaved run). ``auto``
+measures it as a third candidate where it builds; ``mixed`` then runs stock below ``packed_from`` rows and the
+kernel it measured faster (``PackedLinear.kernel``) from there on.
 """
 from __future__ import annotations
 
@@ -37,10 +43,13 @@ import torch
 
 from ..common.device import interleaved_medians, seconds_of
 from ..common.errors import UserError
+from .kernels.stream import pack_stream, stream_linear, stream_usable
 from .models import weight_sharing_copy
 
-LINEAR_KINDS = ("auto", "onednn", "stock")
+LINEAR_KINDS = ("auto", "onednn", "stream", "stock")
+KERNELS = ("onednn", "stream")  # the packed kinds (ties in auto's measurements go to the first)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+STREAM_MAX_ROWS = 256  # more rows (a long prefill) run stock: the stream kernel is for the few rows of a round
 
 
 _PACKED: dict[int, torch.Tensor] = {}  # key → packed weight, for the compiled path (see onednn_linear)
@@ -61,30 +70,42 @@ def _(x, weight, bias, key):
 
 
 class PackedLinear(torch.nn.Module):
-    """A ``torch.nn.Linear`` whose weight is reordered once for oneDNN. ``weight``/``bias`` stay the stock
-    module's (shared) parameters, so code reading them (tied embeddings, draft heads) sees the usual tensors.
-    Eager calls run the oneDNN op directly (no custom-op dispatch: ~210 linears per forward); a graph being
-    compiled calls :func:`onednn_linear`."""
+    """A ``torch.nn.Linear`` whose weight is packed once for ``kernel`` (``onednn``: reordered for oneDNN;
+    ``stream``: blocked for decode/core/kernels/stream.py). ``weight``/``bias`` stay the stock module's (shared)
+    parameters, so code reading them (tied embeddings, draft heads) sees the usual tensors. Eager oneDNN calls run
+    the op directly (no custom-op dispatch: ~210 linears per forward); a graph being compiled calls
+    :func:`onednn_linear`. Fewer rows than ``packed_from`` (``mixed``) and, for ``stream``, more than
+    ``STREAM_MAX_ROWS`` run stock ``F.linear``."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, kernel: str = "onednn"):
         super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        self.kernel = kernel
         self.packed_from = 1  # fewer rows than this run stock F.linear (``mixed``: set by probe_linear)
+        self.max_rows = STREAM_MAX_ROWS if kernel == "stream" else None
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        if kernel == "stream":
+            self.packed = pack_stream(linear.weight)
+            return
         self.packed = pack_weight(linear.weight)
         self.key = next(_KEYS)
         _PACKED[self.key] = self.packed
         weakref.finalize(self, _PACKED.pop, self.key, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_from > 1 and x.numel() < self.packed_from * self.in_features:
+        rows = x.numel() // self.in_features
+        if rows < self.packed_from or (self.max_rows is not None and rows > self.max_rows):
             return torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.kernel == "stream":
+            return stream_linear(x, self.packed, self.bias, self.out_features)
         if torch.compiler.is_compiling():
             return onednn_linear(x, self.weight, self.bias, self.key)
         return packed_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kernel} packed"
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -115,37 +136,50 @@ def onednn_usable(device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def kernel_usable(kernel: str, device, dtype: torch.dtype) -> str | None:
+    """None when ``kernel`` (one of KERNELS) can run linears on ``device`` in ``dtype`` here, else the reason not.
+    ``stream`` is built on the first ask (decode/core/kernels/stream.py)."""
+    if kernel == "onednn":
+        return onednn_usable(device, dtype)
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"the target runs on {device.type} (the stream kernel is for CPUs)"
+    if dtype != torch.float32:
+        return f"dtype {str(dtype).removeprefix('torch.')} (the stream kernel is float32)"
+    return stream_usable()
+
+
 def resolve_linear(spec: str, device, dtype: torch.dtype) -> str:
-    """``auto`` stays ``auto`` where packing is usable (the engine then measures both: :func:`probe_linear`),
-    else ``stock``; ``onednn`` where unusable is an error naming why. Resolved before the model loads (from
-    the run's device and dtype)."""
+    """``auto`` stays ``auto`` where a packed kernel is usable (the engine then measures them: :func:`probe_linear`),
+    else ``stock``; ``onednn`` or ``stream`` where unusable is an error naming why. Resolved before the model loads
+    (from the run's device and dtype)."""
     if spec not in LINEAR_KINDS:
         raise UserError(f"--linear must be one of {', '.join(LINEAR_KINDS)}, got '{spec}'")
     if spec == "stock":
         return "stock"
-    why = onednn_usable(device, dtype)
-    if why is None:
-        return spec
-    if spec == "onednn":
-        raise UserError(f"--linear onednn cannot run here: {why}; use --linear stock (or auto)")
-    return "stock"
+    if spec == "auto":
+        return "auto" if any(kernel_usable(k, device, dtype) is None for k in KERNELS) else "stock"
+    why = kernel_usable(spec, device, dtype)
+    if why is not None:
+        raise UserError(f"--linear {spec} cannot run here: {why}; use --linear stock (or auto)")
+    return spec
 
 
-def pack_linears(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose every ``nn.Linear`` is a :class:`PackedLinear`, sharing all parameters and
-    buffers with ``model`` (which is left untouched)."""
+def pack_linears(model: torch.nn.Module, kernel: str = "onednn") -> torch.nn.Module:
+    """A copy of ``model`` whose every ``nn.Linear`` is a :class:`PackedLinear` for ``kernel``, sharing all
+    parameters and buffers with ``model`` (which is left untouched)."""
     fast = weight_sharing_copy(model)
     for module in list(fast.modules()):
-        _pack_children(module)
+        _pack_children(module, kernel)
     fast.eval()
     return fast
 
 
-def _pack_children(module: torch.nn.Module) -> int:
+def _pack_children(module: torch.nn.Module, kernel: str = "onednn") -> int:
     """Replace the ``nn.Linear`` children of ``module`` (not deeper) by PackedLinears; returns how many."""
     linears = [(name, child) for name, child in module.named_children() if type(child) is torch.nn.Linear]
     for name, child in linears:
-        setattr(module, name, PackedLinear(child))
+        setattr(module, name, PackedLinear(child, kernel))
     return len(linears)
 
 
@@ -155,45 +189,54 @@ def _time_forward(model: torch.nn.Module, positions: int) -> float:
     return seconds_of(lambda: model(input_ids=ids, use_cache=False))
 
 
-def probe_linear(model: torch.nn.Module, positions: tuple[int, ...] = (1, 2, 3, 4, 5, 6), reps: int = 4,
-                 measure=_time_forward) -> tuple[str, torch.nn.Module, dict]:
-    """``--linear auto`` on a CPU: time the stock model and its packed copy on forwards of ``positions`` tokens
-    (the rows every linear multiplies in a round of that size; one warm-up, then ``reps`` rounds interleaved
-    between the two, medians) and pick where packing starts: the threshold t with the lowest summed medians when
-    forwards of fewer than t positions run stock and the rest packed (ties: more stock). t at the smallest size
-    = ``onednn``, past the largest = ``stock``, else ``mixed`` (packed from t positions on, also beyond the
-    sizes probed). Returns (kind, the model to run, {"chosen", "packed_from", "ms": {kind: {positions: ms}}});
-    a few seconds for the default target."""
-    packed = pack_linears(model)
-    models = {"stock": model, "onednn": packed}
+def probe_linear(model: torch.nn.Module, positions: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 10), reps: int = 4,
+                 measure=_time_forward, kernels: tuple[str, ...] = KERNELS) -> tuple[str, torch.nn.Module, dict]:
+    """``--linear auto`` on a CPU: time the stock model and a packed copy per usable kernel (of ``kernels``) on
+    forwards of ``positions`` tokens (the rows every linear multiplies in a round of that size; one warm-up, then
+    ``reps`` rounds interleaved between them, medians) and pick a kernel and where it starts: the (kernel, t) with the
+    lowest summed medians when forwards of fewer than t positions run stock and the rest that kernel (ties: more
+    stock, then the kernel listed first). t at the smallest size = the kernel alone (``onednn`` / ``stream``), past
+    the largest = ``stock``, else ``mixed`` (the kernel from t positions on, also beyond the sizes probed). A kernel
+    that cannot run here is left out with its reason on stderr. Returns (kind, the model to run, {"chosen",
+    "kernel", "packed_from", "ms": {kind: {positions: ms}}}); seconds for the default target."""
+    device, dtype = _placement(model)
+    usable = []
+    for kernel in kernels:
+        why = kernel_usable(kernel, device, dtype)
+        if why is None:
+            usable.append(kernel)
+        else:
+            print(f"--linear auto: {kernel} left out: {why}", file=sys.stderr)
+    models = {"stock": model, **{k: pack_linears(model, k) for k in usable}}
     sizes = sorted(set(int(n) for n in positions))
     with torch.inference_mode():
         medians = interleaved_medians({(kind, n): functools.partial(measure, m, n) for kind, m in models.items()
                                        for n in sizes}, reps)
     ms = {kind: {n: round(1e3 * medians[kind, n], 2) for n in sizes} for kind in models}
-    cost = {t: sum(ms["stock"][n] for n in sizes if n < t) + sum(ms["onednn"][n] for n in sizes if n >= t)
-            for t in [*sizes, sizes[-1] + 1]}
-    start = min(cost, key=lambda t: (cost[t], -t))
-    if start > sizes[-1]:
+    cost = {(k, t): sum(ms["stock"][n] for n in sizes if n < t) + sum(ms[k][n] for n in sizes if n >= t)
+            for k in usable for t in sizes}
+    cost[None, sizes[-1] + 1] = sum(ms["stock"].values())
+    kernel, start = min(cost, key=lambda kt: (cost[kt], -kt[1], usable.index(kt[0]) if kt[0] else -1))
+    if kernel is None:
         chosen, run, start = "stock", model, None
     elif start == sizes[0]:
-        chosen, run = "onednn", packed
+        chosen, run = kernel, models[kernel]
     else:
-        chosen, run = "mixed", packed
-        for module in packed.modules():
+        chosen, run = "mixed", models[kernel]
+        for module in run.modules():
             if isinstance(module, PackedLinear):
                 module.packed_from = start
-    what = {"stock": "stock", "onednn": "onednn", "mixed": f"onednn from {start} positions on, stock below"}[chosen]
+    what = {"stock": "stock", "mixed": f"{kernel} from {start} positions on, stock below"}.get(chosen, chosen)
     print(f"--linear auto: {what} linears (forward of {'/'.join(map(str, sizes))} positions: "
           + ", ".join(f"{k} {'/'.join(f'{v:.1f}' for v in per.values())} ms" for k, per in ms.items()) + ")",
           file=sys.stderr)
-    return chosen, run, {"chosen": chosen, "packed_from": start,
+    return chosen, run, {"chosen": chosen, "kernel": kernel, "packed_from": start,
                          "ms": {k: {str(n): v for n, v in per.items()} for k, per in ms.items()}}
 
 
 def linear_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     """The model the target runs for a resolved ``kind`` (``stock``: ``model`` itself)."""
-    return pack_linears(model) if kind == "onednn" else model
+    return pack_linears(model, kind) if kind in KERNELS else model
 
 
 def pack_arm_linears(arms, stock_model: torch.nn.Module) -> int:

@@ -572,7 +572,8 @@ class BatchEngine:
         self.ragged = ragged and getattr(model.config, "_attn_implementation", None) == GQA_ATTENTION
         # the target runs oneDNN-packed linears: the arms' modules are packed too, never the stock target's own
         # (``stock_model``, whose layers an early-exit stack runs; unknown = arms' modules stay as they are)
-        self.packed = any(isinstance(m, PackedLinear) for m in model.modules()) and stock_model is not None
+        self.packed = stock_model is not None and any(isinstance(m, PackedLinear) and m.kernel == "onednn"
+                                                      for m in model.modules())
         self.stock_model = stock_model
         check_batchable(make_arms())
 

@@ -87,10 +87,11 @@ def add_decoding_arguments(p) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's verification forward (needs the static cache)")
     p.add_argument("--linear", choices=LINEAR_KINDS, default="auto",
-                   help="how the target's linear layers run in our engine: onednn (weights pre-packed once; on a CPU "
-                        "1-8 positions then cost nearly one step), stock (torch.nn.Linear), or auto (default: onednn "
-                        "on "
-                        "a CPU for float32/bfloat16, else stock). The hf reference and peers always run stock")
+                   help="how the target's linear layers run in our engine: onednn (weights pre-packed once for "
+                        "oneDNN), stream (our CPU kernel reading each float32 weight once for a round's few rows: "
+                        "1-10 positions then cost about one step), stock (torch.nn.Linear), or auto (default: on a "
+                        "CPU times them on the loaded target and keeps the fastest, else stock). The hf reference "
+                        "and peers always run stock")
 
 
 def _refuse_duplicates(flag: str, specs: list[str]) -> None:
@@ -157,7 +158,7 @@ class EvalConfig:
     dtype: str = "float32"  # resolved (auto → bfloat16 on CUDA, float32 on CPU)
     cache: str = "static"  # dynamic | static | prefix
     compile: bool = False
-    linear: str = "stock"  # resolved (auto → onednn on a CPU, stock elsewhere): decode/core/linear.py
+    linear: str = "stock"  # resolved (auto: measured on a CPU, stock elsewhere): decode/core/linear.py
     # --batch: batch sizes of a batched evaluation (decode/evaluation/batched.py); None = one sequence at a time
     batch: list[int] | None = None
     batch_schedule: str = "1-2=4,3-4=2,5-=1"
