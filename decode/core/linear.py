@@ -1,6 +1,7 @@
-"""How the target's linear layers run: ``stock`` (``torch.nn.Linear``) or ``onednn`` (weights pre-packed once
-for oneDNN, CPU only). ``auto``, on a CPU whose torch has oneDNN (float32, bfloat16), times both on the loaded
-target and keeps the faster (:func:`probe_linear`); elsewhere it is ``stock``.
+"""How the target's linear layers run: ``stock`` (``torch.nn.Linear``), ``onednn`` (weights pre-packed once
+for oneDNN, CPU only) or ``stream`` (our float32 CPU kernel for a few rows, decode/core/kernels/stream.py).
+``auto``, on a CPU where a packed kernel runs, times them on the loaded target and keeps the fastest split
+(:func:`probe_linear`); elsewhere it is ``stock``.
 
 Why: decoding on a CPU multiplies a few rows (1 … L+1 positions) by every weight matrix. PyTorch's CPU
 ``F.linear`` calls MKL's sgemm, which has a cliff at small row counts: on this 2-core AVX-512 machine the
