@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0.0", help="distillation temperatures to regenerate (comma list)")
     ap.add_argument("--L", type=int, default=2, help="draft length of the advance=match pass (0 = skip it)")
     ap.add_argument("--cache-kind", default="prefix", help="target KV cache kind (decode eval's CPU default: prefix)")
-    ap.add_argument("--linear", default="stock", help="target linears: stock | onednn | stream | auto (decode eval: auto)")
+    ap.add_argument("--linear", default="stock",
+                    help="target linears: stock | onednn | stream | auto (decode eval: auto)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args(argv)
