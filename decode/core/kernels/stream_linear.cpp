@@ -1,9 +1,10 @@
 // y = x @ W^T (+ bias) for a few rows of x, streaming each weight once (decode/core/kernels/stream.py says why).
 //
 // W [N, K] is packed once (in Python) as [ceil(N / 32), K, 32]: block b holds output columns 32b .. 32b + 31,
-// k-major, so one block is one sequential read. Each thread takes whole blocks; within a block the rows of x
-// go 8 at a time (the block stays in L1/L2 for the next 8), each row keeping two 16-float accumulators per
-// block. Summation over k: float32 fused multiply-adds in chunks of 64 steps, the chunks then added up.
+// k-major, so one block is one sequential read. Each thread takes whole blocks; within a block the rows of x go
+// kRows at a time (8 with AVX-512, 3 with AVX2: as many accumulators as the registers hold; the block stays in
+// L1/L2 for the next rows), each row keeping 32 float accumulators. Summation over k: float32 fused multiply-adds
+// in chunks of 64 steps, the chunks then added up.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -11,43 +12,47 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-constexpr int64_t kCols = 32;      // output columns per packed block (two vectors)
-constexpr int64_t kRows = 8;       // rows of x per pass over a block (16 accumulators)
+#ifdef __AVX512F__
+constexpr int kLanes = 16;    // floats per vector register (zmm)
+constexpr int64_t kRows = 8;  // rows of x per pass over a block: 16 accumulators of the 32 registers
+#else
+constexpr int kLanes = 8;     // AVX2: ymm
+constexpr int64_t kRows = 3;  // 12 accumulators + 4 weight vectors = the 16 registers
+#endif
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+constexpr int64_t kCols = 32;                // output columns per packed block
+constexpr int kVecs = kCols / kLanes;        // vectors per block row
 constexpr int64_t kPrefetch = 16;  // k steps ahead that the block's stream is prefetched
 constexpr int64_t kChunk = 64;     // k steps summed apart before joining the totals (float32 rounding ~ stock's)
 
 template <int R>
 inline void block_rows(const float* __restrict x, int64_t K, const float* __restrict w, const float* bias,
                        float* __restrict y, int64_t ldy, int64_t cols) {
-  v16 t0[R], t1[R];  // totals over the finished chunks of k
-  for (int r = 0; r < R; ++r) t0[r] = t1[r] = (v16){};
+  vec total[R][kVecs];  // over the finished chunks of k
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) total[r][v] = (vec){};
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    v16 a0[R], a1[R];
-    for (int r = 0; r < R; ++r) a0[r] = a1[r] = (v16){};
+    vec acc[R][kVecs];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = (vec){};
     const int64_t k1 = std::min(K, k0 + kChunk);
     for (int64_t k = k0; k < k1; ++k) {
       const float* wk = w + k * kCols;
       __builtin_prefetch(wk + kPrefetch * kCols, 0, 3);
       __builtin_prefetch(wk + kPrefetch * kCols + 16, 0, 3);
-      v16 w0, w1;
-      __builtin_memcpy(&w0, wk, 64);
-      __builtin_memcpy(&w1, wk + 16, 64);
+      vec wv[kVecs];
+      for (int v = 0; v < kVecs; ++v) __builtin_memcpy(&wv[v], wk + v * kLanes, sizeof(vec));
       for (int r = 0; r < R; ++r) {
         const float xv = x[r * K + k];
-        a0[r] += xv * w0;
-        a1[r] += xv * w1;
+        for (int v = 0; v < kVecs; ++v) acc[r][v] += xv * wv[v];
       }
     }
-    for (int r = 0; r < R; ++r) {
-      t0[r] += a0[r];
-      t1[r] += a1[r];
-    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVecs; ++v) total[r][v] += acc[r][v];
   }
   for (int r = 0; r < R; ++r) {
     float out[kCols];
-    __builtin_memcpy(out, &t0[r], 64);
-    __builtin_memcpy(out + 16, &t1[r], 64);
+    for (int v = 0; v < kVecs; ++v) __builtin_memcpy(out + v * kLanes, &total[r][v], sizeof(vec));
     float* yr = y + r * ldy;
     if (bias) {
       for (int64_t j = 0; j < cols; ++j) yr[j] = out[j] + bias[j];
@@ -58,7 +63,7 @@ inline void block_rows(const float* __restrict x, int64_t K, const float* __rest
 }
 
 using BlockFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t);
-constexpr BlockFn kBlock[kRows + 1] = {nullptr, block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>,
+constexpr BlockFn kBlock[9] = {nullptr, block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>,
                                        block_rows<5>, block_rows<6>, block_rows<7>, block_rows<8>};
 
 at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
