@@ -74,10 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", metavar="B,...",
                    help="a batched evaluation instead (speculation under load): for each batch size, HF generate "
                         "batched, our batched rounds without speculation, with each arm fixed, with the first arm "
-                        "under "
-                        "--batch-schedule and --batch-ema, and each policy choosing per sequence with lengths from "
-                        "the batch's cost; goodput, latency p50/p95, MAT and lossless rows per method and B, and a "
-                        "figure of goodput against B. Arms that batch: model-free ones and chains of EAGLE heads, "
+                        "under --batch-schedule and --batch-ema, and each policy choosing per sequence with lengths "
+                        "from the batch's cost; goodput, latency p50/p95, MAT and lossless rows per method and B, and "
+                        "a figure of goodput against B. Arms that batch: model-free ones and chains of EAGLE heads, "
                         "drafters and early-exit layers (e.g. --batch 1,2,4,8)")
     p.add_argument("--batch-schedule", default="1-2=4,3-4=2,5-=1",
                    help="the vLLM-style baseline's draft length per batch size range (default: %(default)s)")
