@@ -84,7 +84,7 @@ class PackedLinear(torch.nn.Module):
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.kernel = kernel
         self.packed_from = 1  # fewer rows than this run stock F.linear (``mixed``: set by probe_linear)
-        self.max_rows = STREAM_MAX_ROWS if kernel == "stream" else None
+        self.max_rows = STREAM_MAX_ROWS if kernel == "stream" else sys.maxsize  # more rows run stock
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         if kernel == "stream":
@@ -96,8 +96,7 @@ class PackedLinear(torch.nn.Module):
         weakref.finalize(self, _PACKED.pop, self.key, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if rows < self.packed_from or (self.max_rows is not None and rows > self.max_rows):
+        if not self.packed_from <= x.numel() // self.in_features <= self.max_rows:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.kernel == "stream":
             return stream_linear(x, self.packed, self.bias, self.out_features)
