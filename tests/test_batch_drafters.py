@@ -433,23 +433,29 @@ def test_a_ragged_head_drafter_runs_our_attention_on_a_copy_sharing_the_heads_we
     assert drafter.head.embed is head.embed and drafter.head.lm_head is head.lm_head
 
 
-def test_packed_linears_reach_the_arms_modules_never_the_stock_target():
-    """With a target running oneDNN-packed linears, a batch drafter's own modules are packed as the serial engine
-    packs them; the stock target's layers, which an early-exit stack runs, stay as loaded."""
-    from decode.core.linear import PackedLinear, linear_model, onednn_usable
+@pytest.mark.parametrize("kernel,packed_from", [("onednn", 1), ("stream", 1), ("stream", 3)])
+def test_packed_linears_reach_the_arms_modules_never_the_stock_target(kernel, packed_from):
+    """With a target running packed linears (either kernel, alone or ``mixed``: stock below ``packed_from`` rows), a
+    batch drafter's own modules are packed as the serial engine packs them, the same way; the stock target's layers,
+    which an early-exit stack runs, stay as loaded."""
+    from decode.core.linear import PackedLinear, kernel_usable, linear_model
 
     model = tiny_llama(vocab=64, layers=4, seed=3)
-    why = onednn_usable("cpu", torch.float32)
+    why = kernel_usable(kernel, "cpu", torch.float32)
     if why is not None:
         pytest.skip(why)
     head = EarlyExitDrafter(model, n_layers=2).eval()
-    run = linear_model(model, "onednn")
+    run = linear_model(model, kernel)
+    for m in run.modules():
+        if isinstance(m, PackedLinear):
+            m.packed_from = packed_from
     eng = BatchEngine(run, lambda: [EarlyExitArm(head, GREEDY, 2)], lambda K: build_policy("fixed:arm=0", K, 2),
                       Verifier(GREEDY, "torch"), stock_model=model)
     rows = eng.generate(PROMPTS[:3], 8)
-    assert all(len(r.tokens) == 8 for r in rows)
+    assert [r.tokens for r in rows] == [plain_greedy(model, p, 8) for p in PROMPTS[:3]]
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
-    assert isinstance(head.lm_head, PackedLinear) and isinstance(head.model.layers[2].mlp.down_proj, PackedLinear)
+    for linear in (head.lm_head, head.model.layers[2].mlp.down_proj):
+        assert isinstance(linear, PackedLinear) and (linear.kernel, linear.packed_from) == (kernel, packed_from)
     assert head.model.layers[0] is model.model.layers[0]  # the shared target layer, not packed in place
 
 

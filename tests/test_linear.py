@@ -9,8 +9,8 @@ from decode.choose.arms.eagle import EagleArm
 from decode.engine.loop import SpecEngine, build_engine
 from decode.common.errors import UserError
 from decode.choose.heads import EagleHead
-from decode.core.linear import (PackedLinear, onednn_linear, onednn_usable, pack_arm_linears, pack_linears,
-                           probe_linear, resolve_linear)
+from decode.core.linear import (PackedLinear, kernel_usable, onednn_linear, onednn_usable, pack_arm_linears,
+                               pack_linears, probe_linear, resolve_linear)
 from decode.choose.policies import build_policy
 from decode.core.sampling import SamplingConfig
 from decode.core.target import Target
@@ -40,26 +40,47 @@ def test_packed_copy_shares_weights_leaves_the_stock_model_alone_and_matches_it(
     assert fast.get_output_embeddings().weight is model.get_output_embeddings().weight
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static", "prefix"])
-def test_greedy_through_packed_target_and_eagle_equals_plain_greedy(cache):
+@pytest.mark.parametrize("cache,kernel", [("dynamic", "onednn"), ("static", "onednn"), ("prefix", "onednn"),
+                                          ("prefix", "stream")])
+def test_greedy_through_packed_target_and_eagle_equals_plain_greedy(cache, kernel):
+    if (why := kernel_usable(kernel, "cpu", torch.float32)) is not None:
+        pytest.skip(why)
     model = tiny_llama(layers=2, seed=2)
     V = model.config.vocab_size
     head = EagleHead(model, draft_vocab=DraftVocab(torch.arange(0, V, 2), V, {"coverage": 0.5}))
-    target = Target(pack_linears(model), want_hidden=True, cache=cache)
+    target = Target(pack_linears(model, kernel), want_hidden=True, cache=cache)
     arms = [EagleArm(head, model, GREEDY, L=4, cache=cache, target=target),
             build_arm("pld:L=3", ArmEnv(model, None, GREEDY))]
-    n = pack_arm_linears(arms, model)
-    assert n == 8 and isinstance(head.fc, PackedLinear) and head.draft_weight_packed is not None
+    n = pack_arm_linears(arms, model, kernel)
+    assert n == 9 and isinstance(head.fc, PackedLinear) and head.draft_projection.kernel == kernel
     assert not any(isinstance(m, PackedLinear) for m in model.modules())  # the stock target is untouched
     eng = SpecEngine(target, arms, Verifier(GREEDY))
     for prompt in PROMPTS:
-        gen = eng.generate(prompt, build_policy("random", len(arms), eng.max_len, seed=0), 30)
+        gen = eng.generate(prompt, build_policy("random", len(arms), eng.max_len), 30)
         assert gen.tokens == plain_greedy(model, prompt, 30)
     with torch.no_grad():  # the packed draft projection equals the float32 one it replaces
         x = torch.randn(3, model.config.hidden_size)
         packed = head.logits(x)
-        head.draft_weight_packed = None
+        head.draft_projection = None
         assert torch.allclose(packed, head.logits(x), atol=1e-4, rtol=1e-4)
+
+
+def test_build_engine_packs_the_arms_as_the_target_runs(tiny_target_dir, tmp_path):
+    """The serial engine packs an EAGLE head's linears (its layer, fc, draft projection) with the kernel and row split
+    the target's linears run (``mixed`` too: stock below the same ``packed_from``); a stock target leaves them."""
+    from decode.choose.heads import save_head
+    from decode.core.models import load_model
+    model, tok = load_model(tiny_target_dir)
+    save_head(EagleHead(model, init="last_layer"), tmp_path / "head", {"kind": "eagle"})
+    spec = f"eagle:path={tmp_path / 'head'},L=3"
+    for linear in ("stock", "onednn", "auto"):
+        eng = build_engine(model, tok, [spec], GREEDY, torch.Generator(), cache="dynamic", linear=linear)
+        target = {(m.kernel, m.packed_from) for m in eng.target.model.modules() if isinstance(m, PackedLinear)}
+        arm = {(m.kernel, m.packed_from) for m in eng.arms[0].head.modules() if isinstance(m, PackedLinear)}
+        assert arm == target and bool(arm) == (eng.target.linear != "stock")
+        ids = tok("def add(a, b):").input_ids
+        out = eng.generate(ids, build_policy("fixed:arm=0", 1, eng.max_len), 12)
+        assert out.tokens == plain_greedy(model, ids, 12)
 
 
 def test_a_unions_eagle_sub_arm_is_packed_and_stays_lossless():
@@ -72,7 +93,7 @@ def test_a_unions_eagle_sub_arm_is_packed_and_stays_lossless():
                       build_arm("pld:L=3", ArmEnv(model, None, GREEDY))],
                      nodes=6)
     assert [a.name for a in union.parts] == ["eagle", "pld"]
-    assert pack_arm_linears([union], model) == 8 and isinstance(head.fc, PackedLinear)
+    assert pack_arm_linears([union], model) == 8 and isinstance(head.fc, PackedLinear)  # no draft vocabulary
     eng = SpecEngine(target, [union], Verifier(GREEDY))
     for prompt in PROMPTS:
         out = eng.generate(prompt, build_policy("fixed:arm=0", 1, eng.max_len), 30)

@@ -175,12 +175,13 @@ def pack_linears(model: torch.nn.Module, kernel: str = "onednn") -> torch.nn.Mod
     return fast
 
 
-def _pack_children(module: torch.nn.Module, kernel: str = "onednn") -> int:
-    """Replace the ``nn.Linear`` children of ``module`` (not deeper) by PackedLinears; returns how many."""
-    linears = [(name, child) for name, child in module.named_children() if type(child) is torch.nn.Linear]
-    for name, child in linears:
-        setattr(module, name, PackedLinear(child, kernel))
-    return len(linears)
+def _pack_children(module: torch.nn.Module, kernel: str = "onednn") -> list[PackedLinear]:
+    """Replace the ``nn.Linear`` children of ``module`` (not deeper) by PackedLinears; returns them."""
+    packed = []
+    for name, child in [(name, child) for name, child in module.named_children() if type(child) is torch.nn.Linear]:
+        packed.append(PackedLinear(child, kernel))
+        setattr(module, name, packed[-1])
+    return packed
 
 
 def _time_forward(model: torch.nn.Module, positions: int) -> float:
@@ -239,26 +240,45 @@ def linear_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     return pack_linears(model, kind) if kind in KERNELS else model
 
 
-def pack_arm_linears(arms, stock_model: torch.nn.Module) -> int:
+def packing_of(model: torch.nn.Module) -> tuple[str, int] | None:
+    """(kernel, packed_from) of the PackedLinears a run model holds (what ``--linear`` resolved to), None for a
+    stock model: the arms' modules are packed the same way (:func:`pack_arm_linears`)."""
+    packed = next((m for m in model.modules() if isinstance(m, PackedLinear)), None)
+    return None if packed is None else (packed.kernel, packed.packed_from)
+
+
+def pack_arm_linears(arms, stock_model: torch.nn.Module, kernel: str = "onednn", packed_from: int = 1) -> int:
     """Pack, in place, the linears of the modules the arms own (an EAGLE head's layer, fc and draft-vocabulary
-    projection; a drafter model; those of a union's sub-arms), once they are loaded. A module of ``stock_model`` is
+    projection; a drafter model; those of a union's sub-arms), once they are loaded, for ``kernel`` from
+    ``packed_from`` rows on (the target's own split: :func:`packing_of`). A module of ``stock_model`` is
     never changed (early-exit stacks run the target's own layers; the hf reference runs them too): only parents the
     arm owns get a PackedLinear child, which may wrap a shared weight. Returns how many linears were packed."""
     stock = {id(m) for m in stock_model.modules()}
-    seen, packed = set(), 0
+    seen, packed = set(), []
     for arm in (p for a in arms for p in getattr(a, "parts", (a,))):  # a union's sub-arms; a batch drafter as it is
         for value in vars(arm).values():
-            if not isinstance(value, torch.nn.Module) or onednn_usable(*_placement(value)) is not None:
+            if not isinstance(value, torch.nn.Module) or kernel_usable(kernel, *_placement(value)) is not None:
                 continue
             for module in list(value.modules()):
                 if id(module) in stock or id(module) in seen:
                     continue
                 seen.add(id(module))
-                if (isinstance(getattr(module, "draft_weight", None), torch.Tensor)  # an EAGLE draft-vocab head
-                        and getattr(module, "draft_weight_packed", None) is None):
-                    module.draft_weight_packed = pack_weight(module.draft_weight)
-                packed += _pack_children(module)
-    return packed
+                weight = getattr(module, "draft_weight", None)  # an EAGLE head's draft-vocabulary projection
+                if isinstance(weight, torch.Tensor) and getattr(module, "draft_projection", None) is None:
+                    module.draft_projection = PackedLinear(_AsLinear(weight, module.draft_bias), kernel)
+                    packed.append(module.draft_projection)
+                packed += _pack_children(module, kernel)
+    for linear in packed:
+        linear.packed_from = packed_from
+    return len(packed)
+
+
+class _AsLinear:
+    """A weight (and bias) seen as the ``nn.Linear`` a PackedLinear wraps (shared, not copied)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
 
 
 def _placement(module: torch.nn.Module) -> tuple[torch.device, torch.dtype]:

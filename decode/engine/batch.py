@@ -102,7 +102,7 @@ from ..core.attention import NAME as GQA_ATTENTION
 from ..core.cost import CostCurve
 from ..core.draft import Draft, Outcome, RoundRecord
 from ..core.tree import ancestor_matrix, draft_depth
-from ..core.linear import PackedLinear, pack_arm_linears
+from ..core.linear import pack_arm_linears, packing_of
 from ..core.prefix_cache import PrefixCache
 from ..core.row_cache import RowCache
 from ..core.target import crop_cache
@@ -570,10 +570,9 @@ class BatchEngine:
         # target on any other attention is fed padded blocks
         # (``ragged=False``: padded always, e.g. to compare the two on one machine)
         self.ragged = ragged and getattr(model.config, "_attn_implementation", None) == GQA_ATTENTION
-        # the target runs oneDNN-packed linears: the arms' modules are packed too, never the stock target's own
+        # the target runs packed linears: the arms' modules are packed the same way, never the stock target's own
         # (``stock_model``, whose layers an early-exit stack runs; unknown = arms' modules stay as they are)
-        self.packed = stock_model is not None and any(isinstance(m, PackedLinear) and m.kernel == "onednn"
-                                                      for m in model.modules())
+        self.packing = packing_of(model) if stock_model is not None else None
         self.stock_model = stock_model
         check_batchable(make_arms())
 
@@ -651,14 +650,14 @@ class BatchEngine:
     def _drafter(self, arm) -> BatchDrafter:
         """The batch drafter of ``arm``'s module (made on first use, with an empty row for each row already here).
         Where the engine feeds ragged blocks, so does the drafter if its module can (``BatchDrafter.feed_ragged``).
-        When the target runs oneDNN-packed linears the module's are packed too, as the serial engine does."""
+        When the target runs packed linears the module's are packed the same way, as the serial engine does."""
         key = arm.batch_key
         if key not in self.drafters:
             drafter = arm.batch_drafter(len(self.rows), self.compact_slack)
             if self.ragged:
                 drafter.feed_ragged()
-            if self.packed:
-                pack_arm_linears([drafter], self.stock_model)  # the modules it drafts with (a head, a drafter LM)
+            if self.packing is not None:  # the modules it drafts with (a head, a drafter LM)
+                pack_arm_linears([drafter], self.stock_model, *self.packing)
             self.drafters[key] = drafter
         return self.drafters[key]
 

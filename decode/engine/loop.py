@@ -23,7 +23,7 @@ from ..common.device import synchronize
 from ..core.draft import RoundRecord, StepResult, StepTimes
 from ..common.errors import UserError
 from ..core.hidden import HiddenStates
-from ..core.linear import linear_model, pack_arm_linears, probe_linear
+from ..core.linear import linear_model, pack_arm_linears, packing_of, probe_linear
 from ..choose.feedback import CounterfactualScorer, PendingRound
 from ..choose.length import LengthController
 from ..core.models import eos_token_ids
@@ -389,7 +389,7 @@ def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfi
     env = ArmEnv(model, tokenizer, sampling, generator, target_name=target_name,
                  trust_remote_code=trust_remote_code, target=target, cache=cache)
     arms = build_arms(arm_specs, env)
-    if linear == "onednn":
-        pack_arm_linears(arms, model)
+    if (packing := packing_of(run_model)) is not None:  # the arms' modules run the target's kernel
+        pack_arm_linears(arms, model, *packing)
     target.want_hidden = needs_hidden or any(a.uses_target_hidden for a in arms)
     return SpecEngine(target, arms, Verifier(sampling, verifier, generator), eos_token_ids(model, tokenizer))

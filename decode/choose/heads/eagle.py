@@ -51,7 +51,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...common.errors import UserError
-from ...core.linear import packed_linear
 from ...core.vocab import DraftVocab
 from ...core.hidden import check_hidden_layers
 from .common import DraftVocabMixin, Head, base_model, build_stack, clone_layer, sub_config
@@ -201,9 +200,9 @@ class EagleHead(DraftVocabMixin, Head):
             features = self.norm(features)
         if self.draft_vocab is None:  # the target's own LM head, in the target's dtype (a head may run in another)
             return self.lm_head(features.to(self.lm_head.weight.dtype))
-        packed = getattr(self, "draft_weight_packed", None)  # set by decode/core/linear.py pack_arm_linears
+        packed = getattr(self, "draft_projection", None)  # a PackedLinear: decode/core/linear.py pack_arm_linears
         if packed is not None and not torch.is_grad_enabled() and features.dtype == self.draft_weight.dtype:
-            return packed_linear(features, packed, self.draft_bias)
+            return packed(features)
         return F.linear(features, self.draft_weight.to(features.dtype),
                         None if self.draft_bias is None else self.draft_bias.to(features.dtype))
 
