@@ -83,7 +83,7 @@ def test_the_shipped_pool_resolves_from_any_directory(tmp_path, monkeypatch):
     assert Path(path).is_absolute() and (Path(path) / "head.json").is_file() and "tree=dynamic" in eagle
     assert (Path(path) / "SHIPPED.md").is_file() and (Path(path) / "run.json").is_file()
     union = next(s for s in specs if s.startswith("union:"))
-    assert f"eagle:path={path}:L=3:tree=dynamic" in union  # the union's head: the same folder, resolved alike
+    assert f"eagle:path={path}:L=5:tree=dynamic" in union  # the union's head: the same folder, resolved alike
     check_batch_arm_specs(specs)  # the server and decode eval --batch take the pool as it is
     assert REPO_ROOT == REPO
     pool = tmp_path / "pool.yaml"
