@@ -78,12 +78,12 @@ class PackedLinear(torch.nn.Module):
     :func:`onednn_linear`. Fewer rows than ``packed_from`` (``mixed``) and, for ``stream``, more than
     ``STREAM_MAX_ROWS`` run stock ``F.linear``."""
 
-    def __init__(self, linear: torch.nn.Linear, kernel: str = "onednn"):
+    def __init__(self, linear: torch.nn.Linear, kernel: str = "onednn", packed_from: int = 1):
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.kernel = kernel
-        self.packed_from = 1  # fewer rows than this run stock F.linear (``mixed``: set by probe_linear)
+        self.packed_from = packed_from  # fewer rows than this run stock F.linear (``mixed``: probe_linear sets it)
         self.max_rows = STREAM_MAX_ROWS if kernel == "stream" else sys.maxsize  # more rows run stock
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
@@ -175,13 +175,12 @@ def pack_linears(model: torch.nn.Module, kernel: str = "onednn") -> torch.nn.Mod
     return fast
 
 
-def _pack_children(module: torch.nn.Module, kernel: str = "onednn") -> list[PackedLinear]:
-    """Replace the ``nn.Linear`` children of ``module`` (not deeper) by PackedLinears; returns them."""
-    packed = []
-    for name, child in [(name, child) for name, child in module.named_children() if type(child) is torch.nn.Linear]:
-        packed.append(PackedLinear(child, kernel))
-        setattr(module, name, packed[-1])
-    return packed
+def _pack_children(module: torch.nn.Module, kernel: str = "onednn", packed_from: int = 1) -> int:
+    """Replace the ``nn.Linear`` children of ``module`` (not deeper) by PackedLinears; returns how many."""
+    linears = [(name, child) for name, child in module.named_children() if type(child) is torch.nn.Linear]
+    for name, child in linears:
+        setattr(module, name, PackedLinear(child, kernel, packed_from))
+    return len(linears)
 
 
 def _time_forward(model: torch.nn.Module, positions: int) -> float:
@@ -254,7 +253,7 @@ def pack_arm_linears(arms, stock_model: torch.nn.Module, kernel: str = "onednn",
     never changed (early-exit stacks run the target's own layers; the hf reference runs them too): only parents the
     arm owns get a PackedLinear child, which may wrap a shared weight. Returns how many linears were packed."""
     stock = {id(m) for m in stock_model.modules()}
-    seen, packed = set(), []
+    seen, packed = set(), 0
     for arm in (p for a in arms for p in getattr(a, "parts", (a,))):  # a union's sub-arms; a batch drafter as it is
         for value in vars(arm).values():
             if not isinstance(value, torch.nn.Module) or kernel_usable(kernel, *_placement(value)) is not None:
@@ -265,12 +264,10 @@ def pack_arm_linears(arms, stock_model: torch.nn.Module, kernel: str = "onednn",
                 seen.add(id(module))
                 weight = getattr(module, "draft_weight", None)  # an EAGLE head's draft-vocabulary projection
                 if isinstance(weight, torch.Tensor) and getattr(module, "draft_projection", None) is None:
-                    module.draft_projection = PackedLinear(_AsLinear(weight, module.draft_bias), kernel)
-                    packed.append(module.draft_projection)
-                packed += _pack_children(module, kernel)
-    for linear in packed:
-        linear.packed_from = packed_from
-    return len(packed)
+                    module.draft_projection = PackedLinear(_AsLinear(weight, module.draft_bias), kernel, packed_from)
+                    packed += 1
+                packed += _pack_children(module, kernel, packed_from)
+    return packed
 
 
 class _AsLinear:

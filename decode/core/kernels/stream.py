@@ -85,5 +85,5 @@ def pack_stream(weight: torch.Tensor) -> torch.Tensor:
 
 def stream_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with ``packed = pack_stream(weight)`` and ``n`` its output features
-    (inference only: no autograd); the op is registered by :func:`pack_stream`."""
+    (inference only: no autograd); the op is registered by :func:`stream_usable` (which :func:`pack_stream` calls)."""
     return torch.ops.adaspec_stream.linear(x, packed, bias, n)
