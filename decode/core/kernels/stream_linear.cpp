@@ -2,8 +2,10 @@
 //
 // W [N, K] is packed once (in Python) as [ceil(N / 32), K, 32]: block b holds output columns 32b .. 32b + 31,
 // k-major, so one block is one sequential read. Each thread takes whole blocks; within a block the rows of x go
-// kRows at a time (8 with AVX-512, 3 with AVX2: as many accumulators as the registers hold; the block stays in
-// L1/L2 for the next rows), each row keeping 32 float accumulators. Summation over k: float32 fused multiply-adds
+// kRows at a time (12 with AVX-512, 3 with AVX2: as many accumulators as the registers hold; the block stays in
+// L1/L2 for the next rows), each row keeping 32 float accumulators. 12, not 8: a tree round scores up to 11 positions,
+// and a second pass over every block (from L2) cost ~10% of such a forward (runs/diag/s12_ab.py: 9 / 11 positions
+// 66.4 / 69.5 ms → 60.4 / 62.2, 4 and 8 positions unchanged, the same bits: each row's sums do not depend on R). Summation over k: float32 fused multiply-adds
 // in chunks of 64 steps, the chunks then added up.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -14,7 +16,7 @@ namespace {
 
 #ifdef __AVX512F__
 constexpr int kLanes = 16;    // floats per vector register (zmm)
-constexpr int64_t kRows = 8;  // rows of x per pass over a block: 16 accumulators of the 32 registers
+constexpr int64_t kRows = 12;  // rows of x per pass over a block: 24 accumulators of the 32 registers
 #else
 constexpr int kLanes = 8;     // AVX2: ymm
 constexpr int64_t kRows = 3;  // 12 accumulators + 4 weight vectors = the 16 registers
@@ -63,8 +65,10 @@ inline void block_rows(const float* __restrict x, int64_t K, const float* __rest
 }
 
 using BlockFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t);
-constexpr BlockFn kBlock[9] = {nullptr, block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>,
-                                       block_rows<5>, block_rows<6>, block_rows<7>, block_rows<8>};
+constexpr BlockFn kBlock[13] = {nullptr,          block_rows<1>,  block_rows<2>,  block_rows<3>, block_rows<4>,
+                                block_rows<5>,    block_rows<6>,  block_rows<7>,  block_rows<8>, block_rows<9>,
+                                block_rows<10>,   block_rows<11>, block_rows<12>};
+static_assert(kRows < 13, "kBlock holds a block function per row count up to kRows");
 
 at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                          int64_t n) {
