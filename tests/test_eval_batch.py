@@ -72,6 +72,7 @@ def test_an_interrupted_run_resumes_where_it_stopped(tiny_target_dir, tmp_path, 
     (["--batch", "2", "--policies", "nosuch"], "nosuch"),
     (["--batch", "2", "--peers", "hf-pld:n=3"], "--peers is not part of a batched evaluation"),
     (["--batch", "2", "--length", "beta-ts"], "--length is not part of a batched evaluation"),
+    (["--batch", "2", "--forward", "lean"], "--forward lean is not part of a batched evaluation"),
     (["--batch", "2", "--batch-schedule", "1-2"], "--batch-schedule"),
     (["--batch", "2", "--batch-ema", "a"], "--batch-ema"),
 ])

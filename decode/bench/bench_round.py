@@ -30,6 +30,7 @@ from .draft_cost import draft_token_cost
 from ..common.errors import UserError
 from ..common.io import atomic_write_json, atomic_write_text
 from ..choose.length import build_length
+from ..core.lean import FORWARD_KINDS
 from ..core.linear import LINEAR_KINDS, resolve_linear
 from ..core.models import DEFAULT_TARGET, load_model
 from ..choose.policies.simple import Fixed
@@ -68,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear", choices=LINEAR_KINDS, default="auto",
                    help="the target's linear layers: onednn (pre-packed, CPU), stream (our CPU kernel), stock, or "
                         "auto (default: the fastest measured on a CPU)")
+    p.add_argument("--forward", choices=FORWARD_KINDS, default="auto",
+                   help="the target's eager forwards: lean, hf, or auto (default: lean where it can run)")
     p.add_argument("--length", default="fixed",
                    help="draft-length controller per arm (as for `decode eval --length`, e.g. cost): the table then "
                         "shows the lengths it chose and, for cost, its expected vs realised tokens per step")
@@ -156,7 +159,7 @@ def run(args) -> int:
     cache = auto_cache_kind(device, args.compile) if args.cache == "auto" else args.cache
     caches = CACHE_KINDS if cache == "all" else (cache,)
     engines = {c: build_engine(model, tok, specs, sampling, gen, cache=c, compile=args.compile, linear=linear,
-                               verifier=args.verifier,
+                               verifier=args.verifier, forward=args.forward,
                                target_name=args.target, trust_remote_code=args.trust_remote_code,
                                needs_hidden=probe_length.needs_target_hidden) for c in caches}
     labels = [a.label for a in next(iter(engines.values())).arms]
@@ -208,13 +211,15 @@ def run(args) -> int:
     compiled = (f" + compile ({sum(i['seconds'] for i in compile_info.values() if i):.0f} s of compiling before the "
                 f"run)" if args.compile else "")
     print(f"\n{len(encoded)} prompt(s) x {args.max_new_tokens} new tokens, {device}/{dtype_name(dtype)}, "
-          f"{torch.get_num_threads()} thread(s), {'every' if several else cache} cache, {linear} linears{compiled}; "
+          f"{torch.get_num_threads()} thread(s), {'every' if several else cache} cache, {linear} linears, "
+          f"{next(iter(engines.values())).target.forward_kind} forward{compiled}; "
           "outside = verify + rollback + "
           "bookkeeping + other (draft includes model-free lookups)")
     if out is not None:
         report = {"config": {k: v for k, v in vars(args).items() if k != "func"} | {
                       "arm_specs": specs, "arm_labels": labels, "device": str(device), "dtype": dtype_name(dtype),
-                      "linear": linear, "threads": torch.get_num_threads(),
+                      "linear": linear, "forward": {c: e.target.forward_kind for c, e in engines.items()},
+                      "threads": torch.get_num_threads(),
                       "step_time": {c: e.step_time for c, e in engines.items()}, "compile": compile_info,
                       "torch": torch.__version__,
                       "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")},

@@ -259,7 +259,7 @@ def check_args(args) -> tuple[list[str], str, SamplingConfig]:
 
 def load_engine(args, specs: list[str], sampling: SamplingConfig, err: TextIO, needs_hidden: bool = False):
     """The target loaded and its engine built from the decoding flags ``generate`` and ``serve`` share (--target
-    --device --dtype --cache --compile --linear --verifier --threads --seed), announcing the load on ``err``:
+    --device --dtype --cache --compile --linear --forward --verifier --threads --seed), announcing the load on ``err``:
     (model, tokenizer, engine, the engine's generator)."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -273,7 +273,7 @@ def load_engine(args, specs: list[str], sampling: SamplingConfig, err: TextIO, n
     gen = torch.Generator().manual_seed(args.seed)
     engine = build_engine(model, tok, specs, sampling, gen, cache=cache, compile=args.compile, linear=linear,
                           verifier=args.verifier, target_name=args.target, trust_remote_code=args.trust_remote_code,
-                          needs_hidden=needs_hidden)
+                          needs_hidden=needs_hidden, forward=args.forward)
     return model, tok, engine, gen
 
 

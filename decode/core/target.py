@@ -65,6 +65,7 @@ from .prefix_cache import PrefixCache
 from ..common.errors import UserError
 from .tree import tree_attention
 from .compiled import CompiledForward
+from .lean import LeanForward, lean_unusable
 
 CACHE_KINDS = ("dynamic", "static", "prefix")
 PREALLOCATED = ("static", "prefix")  # kinds with a fixed allocation and a length pointer
@@ -350,14 +351,15 @@ class KVCache:
 class Target:
     """cache: "dynamic" | "static" | "prefix" (see the module docstring); max_cache_len: a fixed static
     allocation (None = sized per prompt from ``prefill``'s capacity, growing when needed);
-    compile: torch.compile the verification forward (static cache only).
+    compile: torch.compile the verification forward (static cache only); forward: "hf" runs the HF model's own
+    forward, "lean" our loop over its modules (decode/core/lean.py; refused where it cannot run).
 
     Hidden states (``want_hidden``): every forward returns :class:`~decode.core.hidden.HiddenStates`, the post-norm
     final state and, in ``extra``, the ``extra_layers`` arms asked for with :meth:`request_hidden` (EAGLE-3
     fusion); each arm reads its own layers through the selector that call returned."""
 
     def __init__(self, model, tokenizer=None, *, want_hidden: bool = False, cache: str = "dynamic",
-                 max_cache_len: int | None = None, compile: bool = False):
+                 max_cache_len: int | None = None, compile: bool = False, forward: str = "hf"):
         self.model = model
         self.tokenizer = tokenizer
         self.want_hidden = want_hidden
@@ -371,6 +373,12 @@ class Target:
         self.kv = KVCache.for_model(model, cache, max_cache_len)
         self.compile = bool(compile)
         self.compiled = CompiledForward(model) if compile else None
+        if forward not in ("hf", "lean"):
+            raise ValueError(f"forward must be 'hf' or 'lean' (resolve --forward auto first), got '{forward}'")
+        if forward == "lean" and (why := lean_unusable(model, cache, compile)) is not None:
+            raise UserError(f"the lean forward cannot run this target: {why}; use forward=hf")
+        self.forward_kind = forward
+        self.run = LeanForward(model) if forward == "lean" else model  # what eager forwards call
         # how ``model``'s linears run: stock, onednn or mixed (decode/core/linear.py); build_engine records it
         self.linear = "stock"
         self.linear_probe: dict | None = None  # --linear auto's measurement (build_engine), else None
@@ -430,8 +438,8 @@ class Target:
         else:
             extra = {"logits_to_keep": 1} if last_logits and self._keeps_logits else {}
             with torch.inference_mode():
-                out = self.model(input_ids=x, position_ids=pos, past_key_values=self.kv.hf, use_cache=True,
-                                 output_hidden_states=hidden, **extra)
+                out = self.run(input_ids=x, position_ids=pos, past_key_values=self.kv.hf, use_cache=True,
+                               output_hidden_states=hidden, **extra)
         self.kv.advance(x.shape[1])
         return out
 
@@ -533,8 +541,8 @@ class Target:
         self.kv.reserve(n)
         pos, mask = tree_attention(parents, self.kv.length, self.kv.key_length(n), self.dtype, self.device)
         with torch.inference_mode():
-            out = self.model(input_ids=ids.to(self.device).unsqueeze(0), position_ids=pos, attention_mask=mask,
-                             past_key_values=self.kv.hf, use_cache=True, output_hidden_states=self.want_hidden)
+            out = self.run(input_ids=ids.to(self.device).unsqueeze(0), position_ids=pos, attention_mask=mask,
+                           past_key_values=self.kv.hf, use_cache=True, output_hidden_states=self.want_hidden)
         self.kv.advance(n)
         self.forwards += 1
         hidden = self._hidden(out)

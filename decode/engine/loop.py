@@ -23,6 +23,7 @@ from ..common.device import synchronize
 from ..core.draft import RoundRecord, StepResult, StepTimes
 from ..common.errors import UserError
 from ..core.hidden import HiddenStates
+from ..core.lean import resolve_forward
 from ..core.linear import linear_model, pack_arm_linears, packing_of, probe_linear
 from ..choose.feedback import CounterfactualScorer, PendingRound
 from ..choose.length import LengthController
@@ -374,17 +375,19 @@ def target_run_model(model, linear: str) -> tuple[torch.nn.Module, str, dict]:
 def build_engine(model, tokenizer, arm_specs: list[str], sampling: SamplingConfig, generator: torch.Generator, *,
                  cache: str, compile: bool = False, linear: str = "stock", verifier: str = "auto",
                  target_name: str = "target", trust_remote_code: bool = False,
-                 needs_hidden: bool = False) -> SpecEngine:
+                 needs_hidden: bool = False, forward: str = "auto") -> SpecEngine:
     """The engine a command decodes with: the target wrapper (``cache`` kind, optionally compiled, its linear
     layers run as ``linear``: a resolved kind of decode/core/linear.py, ``auto`` measured here; on a CPU its
-    grouped-query attention reads the cache's heads as they are: decode/core/attention.py), the arm pool
+    grouped-query attention reads the cache's heads as they are: decode/core/attention.py; its eager forwards run
+    ``forward``: lean, hf or auto = lean where it can run, decode/core/lean.py), the arm pool
     built from ``arm_specs`` (arms that own a cache use the same kind), the verifier and the EOS ids. ``model`` itself
     is not modified: the hf reference keeps running it, and arms that copy or load weights into target modules
     (EAGLE's layer, early-exit stacks) build on it, never on packed weights that a later ``load_state_dict`` would
     not reach.
     The target returns hidden states when an arm or ``needs_hidden`` (a length controller) reads them."""
     run_model, linear, probes = target_run_model(model, linear)
-    target = Target(run_model, tokenizer, want_hidden=False, cache=cache, compile=compile)
+    target = Target(run_model, tokenizer, want_hidden=False, cache=cache, compile=compile,
+                    forward=resolve_forward(forward, run_model, cache, compile))
     target.linear, target.linear_probe, target.attention_probe = linear, probes["linear"], probes["attention"]
     env = ArmEnv(model, tokenizer, sampling, generator, target_name=target_name,
                  trust_remote_code=trust_remote_code, target=target, cache=cache)

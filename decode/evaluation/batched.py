@@ -139,7 +139,7 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
         saved = {k: v for k, v in cfg.to_dict().items() if k not in ("fresh", "no_progress", "no_plots")}
         header = {"format": FORMAT, "config": saved, "prompts": keys, "methods": names,
                   "environment": environment, "linear": linear, "linear_probe": probes["linear"],
-                  "attention_probe": probes["attention"]}
+                  "attention_probe": probes["attention"], "forward": "hf"}
     done = {(r["B"], r["segment"], r["method"]) for r in records if "B" in r}
     refs = {r["prompt_id"]: r["token_ids"] for r in records if r.get("kind") == "reference"}
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..common.errors import UserError
 from ..common.io import check_output_file, is_json_object_with, is_report_json, refuse_foreign, starts_with
+from ..core.lean import FORWARD_KINDS
 from ..core.linear import LINEAR_KINDS, resolve_linear
 from ..core.models import DEFAULT_TARGET
 from ..common.specs import parse_spec, split_specs
@@ -92,6 +93,8 @@ def add_decoding_arguments(p) -> None:
                         "1-10 positions then cost about one step), stock (torch.nn.Linear), or auto (default: on a "
                         "CPU times them on the loaded target and keeps the fastest, else stock). The hf reference "
                         "and peers always run stock")
+    p.add_argument("--forward", choices=FORWARD_KINDS, default="auto",
+                   help="how the target's eager forwards run: lean (our loop over the model's own modules, without transformers' per-call Python: Llama-layout targets, dynamic or prefix cache), hf (transformers' forward), or auto (default: lean where it can run, else hf, saying why)")
 
 
 def _refuse_duplicates(flag: str, specs: list[str]) -> None:
@@ -159,6 +162,7 @@ class EvalConfig:
     cache: str = "static"  # dynamic | static | prefix
     compile: bool = False
     linear: str = "stock"  # resolved (auto: measured on a CPU, stock elsewhere): decode/core/linear.py
+    forward: str = "auto"  # --forward as given (auto: resolved once the model is loaded): decode/core/lean.py
     # --batch: batch sizes of a batched evaluation (decode/evaluation/batched.py); None = one sequence at a time
     batch: list[int] | None = None
     batch_schedule: str = "1-2=4,3-4=2,5-=1"
@@ -214,7 +218,8 @@ class EvalConfig:
         early-exit layers), no peers, length controller, traces or compiling, and valid schedule and EMA tiers."""
         from ..engine.batch import parse_length
         for name, on in (("--peers", bool(self.peers)), ("--length", bool(self.length)),
-                         ("--record-traces", bool(self.record_traces)), ("--compile", self.compile)):
+                         ("--record-traces", bool(self.record_traces)), ("--compile", self.compile),
+                         ("--forward lean", self.forward == "lean")):
             if on:
                 raise UserError(f"{name} is not part of a batched evaluation (--batch): its methods are HF generate "
                                 f"batched and our batched rounds; drop {name} or --batch")

@@ -268,7 +268,7 @@ def evaluate(cfg: EvalConfig) -> int:
     gen = torch.Generator().manual_seed(cfg.seed)
     engine = build_engine(model, tok, cfg.arms, sampling, gen, cache=cfg.cache, compile=cfg.compile, linear=cfg.linear,
                           verifier=cfg.verifier, target_name=cfg.target, trust_remote_code=cfg.trust_remote_code,
-                          needs_hidden=length.needs_target_hidden)
+                          needs_hidden=length.needs_target_hidden, forward=cfg.forward)
     eos = eos_token_ids(model, tok)
     pad = pad_token_id(tok, eos)
     hf = HFMethod(model, sampling, eos, pad)
@@ -287,7 +287,8 @@ def evaluate(cfg: EvalConfig) -> int:
                   "methods": [{"name": m.name, "kind": m.kind} for m in methods], "arm_labels": labels,
                   "peer_settings": {p.name: getattr(p, "settings", {}) for p in peers},
                   "environment": _environment(device), "compile": compile_info,
-                  "linear_probe": engine.target.linear_probe, "attention_probe": engine.target.attention_probe}
+                  "linear_probe": engine.target.linear_probe, "attention_probe": engine.target.attention_probe,
+                  "forward": engine.target.forward_kind}
     log = JsonlLog(cfg.records_path, keep_bytes=good_bytes if records else 0)
     try:
         if not records:

@@ -321,6 +321,8 @@ def build_report(header: dict, records: list[dict]) -> tuple[dict, str]:
     config.update(header.get("environment", {}))
     if header.get("compile"):
         config["compile_info"] = header["compile"]
+    if header.get("forward"):  # what --forward resolved to (older reports: the flag as given, if anything)
+        config["forward"] = header["forward"]
     for probe in ("linear_probe", "attention_probe"):
         if header.get(probe):
             config[probe] = header[probe]

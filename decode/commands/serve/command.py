@@ -25,6 +25,7 @@ import torch
 
 from ...common.errors import UserError
 from ...evaluation.eval_config import CACHES
+from ...core.lean import FORWARD_KINDS
 from ...core.linear import LINEAR_KINDS
 from ...core.models import DEFAULT_TARGET, cache_dir
 from ...choose.policies import build_policy
@@ -91,6 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache kind (auto: static on CUDA or with --compile, prefix on a CPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile the verification forward (static cache)")
     p.add_argument("--linear", choices=LINEAR_KINDS, default="auto", help="as in `decode eval` (default: %(default)s)")
+    p.add_argument("--forward", choices=FORWARD_KINDS, default="auto",
+                   help="as in `decode eval` (default: %(default)s; the batched engine runs transformers' forward)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 

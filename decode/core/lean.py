@@ -1,0 +1,134 @@
+"""The target's forward without transformers' per-call machinery: one loop over the HF model's own modules.
+
+Why: on a CPU a verification forward of the default target (30 layers, a few positions) spends a tenth of its time
+in transformers' Python around the kernels: output-capturing hooks on every layer, the mask factory, the attention
+interface's dispatch, keyword plumbing through three module levels, a five-op RMSNorm. Measured (AMX Xeon,
+2 threads, stream linears, prefix cache at 300 tokens, hidden states of 4 layers; runs/diag/lean_t2.py, interleaved):
+HF 67-72 ms → this loop 57-61 at 1 position, 81-99 → 70-91 at 3-5, 106-160 → 96-143 at 8-11, with identical
+logits and hidden states. gpt-fast and vLLM run their own model loops for the same reason.
+
+What it runs is the HF model's modules and weights, not a copy: the embedding, ``rotary_emb`` (so any RoPE
+scaling the config sets), the q/k/v/o projections and the MLP as loaded (PackedLinears included), the cache's own
+``update`` (dynamic or prefix), and the engine's attention function (decode/core/attention.py, the one the HF
+path calls). Only the glue is ours: RMSNorm as ``torch.nn.functional.rms_norm`` in float32 (the same ops as HF's
+norm there; the module itself in other dtypes), transformers' ``apply_rotary_pos_emb``, the residual adds and a
+boolean causal mask for several positions (True = attend, what transformers builds for SDPA).
+
+Which models: the Llama layout (:data:`LAYOUT_TYPES`) with full attention in every layer; a sliding window,
+per-head q/k norms (Qwen3) or any other layer type is left to transformers (:func:`lean_unusable` says why). The
+engines run it for the serial target's eager forwards (``--forward auto``, the default, where usable); the compiled
+static-cache forward and the batched engine keep transformers' forward. Outputs are checked against HF's forward
+(logits, every hidden state, the cache) in tests/test_lean.py, and every decode against plain greedy.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ..common.errors import UserError
+from .attention import NAME as GQA_ATTENTION, gqa_sdpa_attention
+
+FORWARD_KINDS = ("auto", "lean", "hf")
+LAYOUT_TYPES = ("llama", "qwen2")  # model types whose decoder layer this loop re-implements (module docstring)
+
+
+@dataclass
+class LeanOutput:
+    """What the engines read of an HF ``CausalLMOutputWithPast``."""
+    logits: torch.Tensor  # [1, n or logits_to_keep, V]
+    hidden_states: tuple[torch.Tensor, ...] | None  # HF's tuple: embeddings, each layer's output, the normed final
+
+
+def lean_unusable(model, cache_kind: str, compile: bool = False) -> str | None:
+    """Why the lean forward cannot run ``model`` with this cache (None: it can)."""
+    cfg = model.config
+    if compile:
+        return "--compile runs transformers' forward through torch.compile"
+    if cache_kind not in ("dynamic", "prefix"):
+        return f"the {cache_kind} cache attends over its whole allocation (lean runs dynamic and prefix caches)"
+    if cfg.model_type not in LAYOUT_TYPES:
+        return f"model type '{cfg.model_type}' is not one whose layer it re-implements ({', '.join(LAYOUT_TYPES)})"
+    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or (getattr(cfg, "use_sliding_window", False)
+                                             and getattr(cfg, "sliding_window", None)):
+        return "a sliding-window layer needs its window in the mask"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1 splits the linears"
+    attn = getattr(cfg, "_attn_implementation", None)
+    if attn not in ("sdpa", GQA_ATTENTION):
+        return f"attention '{attn}' (lean runs SDPA, as the engines' attention does)"
+    layer = model.model.layers[0]
+    missing = [n for n in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp") if not hasattr(layer, n)]
+    missing += [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(layer.self_attn, n)]
+    if missing or hasattr(layer.self_attn, "q_norm"):
+        return f"its decoder layer is not the Llama layout ({', '.join(missing) or 'q/k norms'})"
+    return None
+
+
+def resolve_forward(spec: str, model, cache_kind: str, compile: bool = False, *, announce: bool = True) -> str:
+    """``--forward``: ``lean`` (refused with the reason where it cannot run), ``hf``, or ``auto`` = lean where it can
+    run, else hf (the reason on stderr)."""
+    if spec not in FORWARD_KINDS:
+        raise UserError(f"--forward must be one of {', '.join(FORWARD_KINDS)}, got '{spec}'")
+    if spec == "hf":
+        return "hf"
+    why = lean_unusable(model, cache_kind, compile)
+    if why is None:
+        return "lean"
+    if spec == "lean":
+        raise UserError(f"--forward lean cannot run this target: {why}; use --forward hf (or auto)")
+    if announce:
+        print(f"--forward auto: transformers' forward ({why})", file=sys.stderr)
+    return "hf"
+
+
+class LeanForward:
+    """Calls like the HF causal LM for the engines' forwards: ``input_ids`` [1, n], ``position_ids`` [1, n], an HF
+    cache, an optional 4-D additive ``attention_mask`` (a tree's; None = causal), ``output_hidden_states``,
+    ``logits_to_keep`` (0 = every position)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.inner = model.model
+        self.float32_norms = next(model.parameters()).dtype == torch.float32
+
+    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.float32_norms:  # the same float32 ops as HF's RMSNorm, fused
+            return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+        return norm(x)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values,
+                 attention_mask: torch.Tensor | None = None, output_hidden_states: bool = False,
+                 logits_to_keep: int = 0, use_cache: bool = True) -> LeanOutput:
+        inner, n = self.inner, input_ids.shape[1]
+        x = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(x, position_ids)
+        start = past_key_values.get_seq_length()
+        mask = attention_mask
+        if mask is None and n > 1 and start > 0:  # a chain after a context: query i sees keys 0..start+i
+            keys = torch.arange(start + n, device=x.device)
+            mask = (keys[None, :] <= (start + torch.arange(n, device=x.device))[:, None])[None, None]
+        states = [x] if output_hidden_states else None
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            h = self._norm(layer.input_layernorm, x)
+            shape = (1, n, -1, attn.head_dim)
+            q = attn.q_proj(h).view(shape).transpose(1, 2)
+            k = attn.k_proj(h).view(shape).transpose(1, 2)
+            v = attn.v_proj(h).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k, v = past_key_values.update(k, v, i)
+            o, _ = gqa_sdpa_attention(attn, q, k, v, mask, scaling=attn.scaling)
+            x = x + attn.o_proj(o.reshape(1, n, -1))
+            x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
+            if states is not None:
+                states.append(x)
+        x = self._norm(inner.norm, x)
+        if states is not None:
+            states[-1] = x  # HF's tuple ends with the normed final state in place of the last layer's output
+        logits = self.model.lm_head(x if not logits_to_keep else x[:, -logits_to_keep:])
+        return LeanOutput(logits, tuple(states) if states is not None else None)
