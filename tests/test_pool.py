@@ -29,8 +29,8 @@ def test_tiny_pool_end_to_end_then_every_stage_is_skipped(tiny_target_dir, tmp_p
     pool = load_pool(out / "pool.yaml")  # the shipped pool's arms and length, each EAGLE arm on the head trained here
     head = str(out / "heads" / "eagle")
     assert pool.length == "cost" and [s.replace(head, "H") for s in pool.arms] == [
-        "eagle:path=H,L=6,tree=dynamic,topk=3,expand=1,nodes=10", "pld:L=4", "suffix:L=3",
-        "union:arms=eagle:path=H:L=5:tree=dynamic:topk=3:expand=1:nodes=8+pld:L=4,nodes=10"]
+        "eagle:path=H,L=6,tree=dynamic,topk=4,expand=1,nodes=11", "pld:L=4", "suffix:L=3",
+        "union:arms=eagle:path=H:L=5:tree=dynamic:topk=4:expand=1:nodes=9+pld:L=4,nodes=11"]
     report = json.loads((out / "eval" / "report.json").read_text())
     assert any(m.startswith("arm:eagle") for m in report["summary"]) and report["summary"]["hf"]
     assert set(json.loads((out / STATE).read_text())["stages"]) == set(names)
