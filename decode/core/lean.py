@@ -3,9 +3,10 @@
 Why: on a CPU a verification forward of the default target (30 layers, a few positions) spends a tenth of its time
 in transformers' Python around the kernels: output-capturing hooks on every layer, the mask factory, the attention
 interface's dispatch, keyword plumbing through three module levels, a five-op RMSNorm. Measured (AMX Xeon,
-2 threads, stream linears, prefix cache at 300 tokens, hidden states of 4 layers; runs/diag/lean_t2.py, interleaved):
-HF 67-72 ms → this loop 57-61 at 1 position, 81-99 → 70-91 at 3-5, 106-160 → 96-143 at 8-11, with identical
-logits and hidden states. gpt-fast and vLLM run their own model loops for the same reason.
+2 threads, the engine's run model, prefix cache at 300 tokens, hidden states of 4 layers; ``Target.score_tree``
+interleaved 40 times, medians; runs/diag/lean_ab.py): 1 / 4 / 8 / 11 positions 56.7 / 66.3 / 66.7 / 80.6 ms →
+51.8 / 59.9 / 63.5 / 76.2, with identical logits and hidden states; a fixed tree arm 1.18× → 1.23× plain
+``generate`` (docs/performance.md). gpt-fast and vLLM run their own model loops for the same reason.
 
 What it runs is the HF model's modules and weights, not a copy: the embedding, ``rotary_emb`` (so any RoPE
 scaling the config sets), the q/k/v/o projections and the MLP as loaded (PackedLinears included), the cache's own
@@ -69,7 +70,7 @@ def lean_unusable(model, cache_kind: str, compile: bool = False) -> str | None:
     return None
 
 
-def resolve_forward(spec: str, model, cache_kind: str, compile: bool = False, *, announce: bool = True) -> str:
+def resolve_forward(spec: str, model, cache_kind: str, compile: bool = False) -> str:
     """``--forward``: ``lean`` (refused with the reason where it cannot run), ``hf``, or ``auto`` = lean where it can
     run, else hf (the reason on stderr)."""
     if spec not in FORWARD_KINDS:
@@ -81,15 +82,15 @@ def resolve_forward(spec: str, model, cache_kind: str, compile: bool = False, *,
         return "lean"
     if spec == "lean":
         raise UserError(f"--forward lean cannot run this target: {why}; use --forward hf (or auto)")
-    if announce:
-        print(f"--forward auto: transformers' forward ({why})", file=sys.stderr)
+    print(f"--forward auto: transformers' forward ({why})", file=sys.stderr)
     return "hf"
 
 
 class LeanForward:
     """Calls like the HF causal LM for the engines' forwards: ``input_ids`` [1, n], ``position_ids`` [1, n], an HF
     cache, an optional 4-D additive ``attention_mask`` (a tree's; None = causal), ``output_hidden_states``,
-    ``logits_to_keep`` (0 = every position)."""
+    ``logits_to_keep`` (0 = every position); ``use_cache`` is taken for the HF signature (the cache is always
+    written)."""
 
     def __init__(self, model):
         self.model = model

@@ -94,7 +94,9 @@ def add_decoding_arguments(p) -> None:
                         "CPU times them on the loaded target and keeps the fastest, else stock). The hf reference "
                         "and peers always run stock")
     p.add_argument("--forward", choices=FORWARD_KINDS, default="auto",
-                   help="how the target's eager forwards run: lean (our loop over the model's own modules, without transformers' per-call Python: Llama-layout targets, dynamic or prefix cache), hf (transformers' forward), or auto (default: lean where it can run, else hf, saying why)")
+                   help="how the target's eager forwards run: lean (our loop over the model's own modules, without "
+                        "transformers' per-call Python: Llama-layout targets, dynamic or prefix cache), hf "
+                        "(transformers' forward), or auto (default: lean where it can run, else hf, saying why)")
 
 
 def _refuse_duplicates(flag: str, specs: list[str]) -> None:

@@ -6,8 +6,9 @@ cost about what scoring 1 does. The BLAS kernels do not get there: on a 2-core A
 MKL's sgemm steps in 30 ms for 1-3 positions and 44 ms for 4 (a small-row cliff: the verification curve jumps at the
 fourth position), oneDNN's packed matmul is flat but slower from the first row (38 ms). This kernel packs each
 weight once into blocks of 32 output columns, k-major (one sequential read per block), and multiplies up to 12 rows
-(AVX-512; 3 with AVX2) per pass over a block with AVX-512/AVX2 fused multiply-adds (gcc vector extensions, built with ``-march=native``
-for the machine it runs on), summing over k in chunks of 64 so its float32 rounding is of stock's size.
+(AVX-512; 3 with AVX2) per pass over a block with fused multiply-adds (gcc vector extensions, built with
+``-march=native`` for the machine it runs on), summing over k in chunks of 64 so its float32 rounding is of stock's
+size.
 
 It is a C++ torch op (``torch.ops.adaspec_stream.linear``) built on first use with
 ``torch.utils.cpp_extension`` (gcc, the Python headers and ninja; ~15 s once, then loaded from

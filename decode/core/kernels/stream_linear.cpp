@@ -3,10 +3,10 @@
 // W [N, K] is packed once (in Python) as [ceil(N / 32), K, 32]: block b holds output columns 32b .. 32b + 31,
 // k-major, so one block is one sequential read. Each thread takes whole blocks; within a block the rows of x go
 // kRows at a time (12 with AVX-512, 3 with AVX2: as many accumulators as the registers hold; the block stays in
-// L1/L2 for the next rows), each row keeping 32 float accumulators. 12, not 8: a tree round scores up to 11 positions,
-// and a second pass over every block (from L2) cost ~10% of such a forward (runs/diag/s12_ab.py: 9 / 11 positions
-// 66.4 / 69.5 ms → 60.4 / 62.2, 4 and 8 positions unchanged, the same bits: each row's sums do not depend on R). Summation over k: float32 fused multiply-adds
-// in chunks of 64 steps, the chunks then added up.
+// L1/L2 for the next rows), each row keeping 32 float accumulators. 12, not 8: a tree round scores up to 12
+// positions, and a second pass over every block (from L2) cost ~10% of such a forward (runs/diag/s12_ab.py: 9 / 11
+// positions 66.4 / 69.5 ms → 60.4 / 62.2, 4 and 8 unchanged, the same bits: a row's sums do not depend on kRows).
+// Summation over k: float32 fused multiply-adds in chunks of 64 steps, the chunks then added up.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
