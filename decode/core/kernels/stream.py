@@ -18,53 +18,25 @@ keeps it where it is faster (decode/core/linear.py); where it cannot be built, :
 from __future__ import annotations
 
 import functools
-import hashlib
-import platform
-import sys
 from pathlib import Path
 
 import torch
 
 from ...common.errors import UserError
+from .build import build_op
 
 SOURCE = Path(__file__).with_name("stream_linear.cpp")
 BLOCK = 32  # output columns per packed block (kCols in the source)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
-def _machine_key() -> str:
-    """What a build compiled with ``-march=native`` depends on: the source, the flags, torch and this CPU."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line for line in f if line.startswith(("flags", "Features"))), cpu)
-    except OSError:
-        pass
-    text = "\n".join([SOURCE.read_text(), " ".join(CFLAGS), torch.__version__, cpu])
-    return hashlib.sha1(text.encode()).hexdigest()[:12]
-
-
 @functools.lru_cache(maxsize=None)
 def stream_usable() -> str | None:
     """None once the op is built (or loaded) and registered here, else the reason it cannot run."""
-    if not torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512")):
-        return f"this CPU runs torch at {torch.backends.cpu.get_cpu_capability()} (the kernel needs AVX2 or AVX-512)"
-    from torch.utils.cpp_extension import load
-
-    from ..models import cache_dir
-
-    name = f"adaspec_stream_{_machine_key()}"
-    build = cache_dir() / "kernels" / name
-    fresh = not any(build.glob("*.so"))
-    build.mkdir(parents=True, exist_ok=True)
-    if fresh:
-        print("compiling the stream linear kernel for this CPU (once, ~15 s) ...", file=sys.stderr, flush=True)
-    try:
-        load(name, [str(SOURCE)], extra_cflags=list(CFLAGS), build_directory=str(build), is_python_module=False)
-    except Exception as exc:  # compiler, headers or ninja missing: the reason, in one line
-        return f"building {SOURCE.name} failed ({str(exc).strip().splitlines()[-1][:160]})"
-    torch.library.register_fake("adaspec_stream::linear")(_fake_linear)
-    return None
+    why = build_op("adaspec_stream", SOURCE, CFLAGS, "the stream linear kernel")
+    if why is None:
+        torch.library.register_fake("adaspec_stream::linear")(_fake_linear)
+    return why
 
 
 def _fake_linear(x, packed, bias, n):
