@@ -8,7 +8,7 @@ from decode.choose.policies import build_policy
 from decode.common.errors import UserError
 from decode.core.attention import gqa_attention_model
 from decode.core.draft import Draft
-from decode.core.lean import LeanForward, lean_unusable, resolve_forward
+from decode.core.lean import LeanForward, glue_unusable, lean_unusable, resolve_forward
 from decode.core.sampling import SamplingConfig
 from decode.core.target import Target
 from decode.engine.loop import build_engine
@@ -18,9 +18,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 GREEDY = SamplingConfig(temperature=0.0)
 
 
-def _run(model, forward: str, cache: str) -> list[torch.Tensor]:
-    """Every output the engines read, over a prefill, a chain, a tree, its accepted path and a one-token step."""
+def _run(model, forward: str, cache: str, fused: bool = True) -> list[torch.Tensor]:
+    """Every output the engines read, over a prefill, a chain, a tree, its accepted path and a one-token step
+    (``fused``: the lean loop on decode/core/kernels/glue.py's ops, else on PyTorch's)."""
     target = Target(model, forward=forward, cache=cache)
+    if forward == "lean":
+        assert target.run.fused == (glue_unusable(model) is None)
+        target.run.fused = fused and target.run.fused
     target.request_hidden((0, 1, -1))
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 64, (9,), generator=g).tolist()
@@ -39,9 +43,10 @@ def _run(model, forward: str, cache: str) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen], ids=["llama", "qwen2"])
 @pytest.mark.parametrize("cache", ["dynamic", "prefix"])
-def test_lean_target_equals_transformers_forward(make, cache):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-ops", "torch-ops"])
+def test_lean_target_equals_transformers_forward(make, cache, fused):
     model = gqa_attention_model(make(layers=3, seed=1))  # the engines' attention, as their run model has
-    hf, lean = _run(model, "hf", cache), _run(model, "lean", cache)
+    hf, lean = _run(model, "hf", cache), _run(model, "lean", cache, fused)
     assert len(hf) == len(lean)
     for a, b in zip(hf, lean):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
@@ -100,6 +105,13 @@ def test_lean_unusable_says_why():
     eager = tiny_llama(layers=1)
     eager.config._attn_implementation = "eager"
     assert "eager" in lean_unusable(eager, "prefix")
+
+
+def test_fused_ops_only_for_float32_cpu_targets():
+    llama = tiny_llama(layers=1)
+    assert glue_unusable(llama) is None or "building" in glue_unusable(llama)
+    assert "float32 CPU kernels (the target is torch.bfloat16 on cpu)" in glue_unusable(llama.to(torch.bfloat16))
+    assert LeanForward(llama).fused is False
 
 
 def test_resolve_forward_picks_refuses_or_announces(capsys):

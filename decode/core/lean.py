@@ -9,11 +9,14 @@ interleaved 40 times, medians; runs/diag/lean_ab.py): 1 / 4 / 8 / 11 positions 5
 ``generate`` (docs/performance.md). gpt-fast and vLLM run their own model loops for the same reason.
 
 What it runs is the HF model's modules and weights, not a copy: the embedding, ``rotary_emb`` (so any RoPE
-scaling the config sets), the q/k/v/o projections and the MLP as loaded (PackedLinears included), the cache's own
-``update`` (dynamic or prefix), and the engine's attention function (decode/core/attention.py, the one the HF
-path calls). Only the glue is ours: RMSNorm as ``torch.nn.functional.rms_norm`` in float32 (the same ops as HF's
-norm there; the module itself in other dtypes), transformers' ``apply_rotary_pos_emb``, the residual adds and a
-boolean causal mask for several positions (True = attend, what transformers builds for SDPA).
+scaling the config sets), the q/k/v/o and MLP projections as loaded (PackedLinears included), the cache's own
+``update`` (dynamic or prefix). Between them, on a float32 CPU target (``fused``), the fused ops of
+decode/core/kernels/glue.py: RMSNorm, rotary embedding, the gated SiLU and the attention of up to 32 queries (they
+took a verification forward from 51.1 to 45.6 ms at 12 positions: docs/performance.md). Elsewhere PyTorch's:
+``torch.nn.functional.rms_norm`` for float32 norms (the same ops as HF's norm there; the module itself in other
+dtypes), transformers' ``apply_rotary_pos_emb``, the MLP module, the engine's attention function
+(decode/core/attention.py, the one the HF path calls). Ours either way: the residual adds and a boolean causal mask
+for several positions (True = attend, what transformers builds for SDPA).
 
 Which models: the Llama layout (:data:`LAYOUT_TYPES`) with full attention in every layer; a sliding window,
 per-head q/k norms (Qwen3) or any other layer type is left to transformers (:func:`lean_unusable` says why). The
@@ -32,6 +35,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..common.errors import UserError
 from .attention import NAME as GQA_ATTENTION, gqa_sdpa_attention
+from .kernels import glue
 
 FORWARD_KINDS = ("auto", "lean", "hf")
 LAYOUT_TYPES = ("llama", "qwen2")  # model types whose decoder layer this loop re-implements (module docstring)
@@ -70,6 +74,18 @@ def lean_unusable(model, cache_kind: str, compile: bool = False) -> str | None:
     return None
 
 
+def glue_unusable(model) -> str | None:
+    """Why the lean forward runs PyTorch's ops, not the fused ones of decode/core/kernels/glue.py (None: it runs
+    those): they are float32 CPU kernels."""
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.float32:
+        return f"the fused layer ops are float32 CPU kernels (the target is {param.dtype} on {param.device.type})"
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    if head_dim > glue.MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is over the fused attention's {glue.MAX_HEAD_DIM}"
+    return glue.glue_usable()
+
+
 def resolve_forward(spec: str, model, cache_kind: str, compile: bool = False) -> str:
     """``--forward``: ``lean`` (refused with the reason where it cannot run), ``hf``, or ``auto`` = lean where it can
     run, else hf (the reason on stderr)."""
@@ -96,11 +112,42 @@ class LeanForward:
         self.model = model
         self.inner = model.model
         self.float32_norms = next(model.parameters()).dtype == torch.float32
+        self.fused = glue_unusable(model) is None  # the layer's small ops as decode/core/kernels/glue.py's
+        mlp = self.inner.layers[0].mlp
+        self.silu_mlp = (getattr(model.config, "hidden_act", None) in ("silu", "swish")
+                         and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")))
+
+    @property
+    def fused_mlp(self) -> bool:
+        """The MLP's activation fused too: a gated SiLU MLP (Llama's, Qwen2's)."""
+        return self.fused and self.silu_mlp
 
     def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return glue.rms_norm(x, norm.weight, norm.variance_epsilon)
         if self.float32_norms:  # the same float32 ops as HF's RMSNorm, fused
             return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
         return norm(x)
+
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: tuple):
+        """The q and k projections' outputs ``[1, n, heads * D]``, rotated, as ``[1, heads, n, D]``."""
+        if self.fused:  # in place, then the views
+            glue.rope_(q, k, cos, sin)
+            return q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2)
+        return apply_rotary_pos_emb(q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), cos, sin)
+
+    def _attend(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                fused: bool) -> torch.Tensor:
+        """``[1, n, heads * D]``, what o_proj takes."""
+        if fused:
+            return glue.attention(q, k, v, mask, attn.scaling)
+        o, _ = gqa_sdpa_attention(attn, q, k, v, mask, scaling=attn.scaling)
+        return o.reshape(1, q.shape[2], -1)
+
+    def _mlp(self, mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if self.fused_mlp:
+            return mlp.down_proj(glue.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+        return mlp(h)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values,
                  attention_mask: torch.Tensor | None = None, output_hidden_states: bool = False,
@@ -110,22 +157,18 @@ class LeanForward:
         cos, sin = inner.rotary_emb(x, position_ids)
         start = past_key_values.get_seq_length()
         mask = attention_mask
-        if mask is None and n > 1 and start > 0:  # a chain after a context: query i sees keys 0..start+i
+        fused_attention = self.fused and n <= glue.ATTENTION_MAX_QUERIES
+        if mask is None and n > 1 and (start > 0 or fused_attention):  # a chain: query i sees keys 0..start+i
             keys = torch.arange(start + n, device=x.device)
             mask = (keys[None, :] <= (start + torch.arange(n, device=x.device))[:, None])[None, None]
         states = [x] if output_hidden_states else None
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
             h = self._norm(layer.input_layernorm, x)
-            shape = (1, n, -1, attn.head_dim)
-            q = attn.q_proj(h).view(shape).transpose(1, 2)
-            k = attn.k_proj(h).view(shape).transpose(1, 2)
-            v = attn.v_proj(h).view(shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k, v = past_key_values.update(k, v, i)
-            o, _ = gqa_sdpa_attention(attn, q, k, v, mask, scaling=attn.scaling)
-            x = x + attn.o_proj(o.reshape(1, n, -1))
-            x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
+            q, k = self._rope(attn.q_proj(h), attn.k_proj(h), cos, sin, (1, n, -1, attn.head_dim))
+            k, v = past_key_values.update(k, attn.v_proj(h).view(1, n, -1, attn.head_dim).transpose(1, 2), i)
+            x = x + attn.o_proj(self._attend(attn, q, k, v, mask, fused_attention))
+            x = x + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x))
             if states is not None:
                 states.append(x)
         x = self._norm(inner.norm, x)
