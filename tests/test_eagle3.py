@@ -14,8 +14,10 @@ from decode.common.errors import UserError
 from decode.choose.heads import EagleHead, load_head, save_head
 from decode.choose.heads.eagle import eagle3_layers
 from decode.choose.policies import build_policy
+from decode.core.lean import glue_unusable
 from decode.core.sampling import SamplingConfig
-from decode.core.target import Target
+from decode.core.target import KVCache, Target
+from decode.core.tree import tree_attention
 from decode.core.verify import Verifier
 from helpers import plain_greedy, tiny_llama
 from test_heads import tiny_distilled  # noqa: F401  (the tiny distilled set, a module fixture)
@@ -410,6 +412,48 @@ def test_fused_head_greedy_lossless_and_true_entries(cache, layer):
     ref = torch.cat([hs[i][0] for i in LAYERS], -1)
     n = arm.feats.shape[0]
     assert n >= len(ctx) - 2 and torch.allclose(arm.feats, ref[:n], atol=1e-4)
+
+
+def _head_steps(head: EagleHead, cache: str) -> list[torch.Tensor]:
+    """A decode arm's head calls (decode/choose/arms/eagle): a true step over several tokens, a one-token step, a
+    tree of nodes under its mask; every output and the head cache's entries."""
+    g = torch.Generator().manual_seed(0)
+    kv = KVCache.for_model(head, cache, config=head.model.config)
+    kv.start(64)
+    width = head.model.config.hidden_size  # features: input_features of target rows, or the head's own outputs
+    outs = []
+    for n in (5, 1):
+        pos = kv.positions(n)
+        outs.append(head(torch.randn(1, n, width, generator=g), torch.randint(0, 64, (1, n), generator=g),
+                         past_key_values=kv.hf, use_cache=True, position_ids=pos))
+        kv.advance(n)
+    prefix, parents = kv.length, torch.tensor([-1, -1, 0, 2])
+    kv.reserve(4)
+    pos, mask = tree_attention(parents, prefix, kv.key_length(4), kv.dtype, "cpu", queries=4)
+    outs.append(head(torch.randn(1, 4, width, generator=g),
+                     torch.randint(0, 64, (1, 4), generator=g), past_key_values=kv.hf, attention_mask=mask,
+                     use_cache=True, position_ids=pos))
+    kv.advance(4)
+    keys, values = kv.export(kv.length)
+    return outs + keys + values
+
+
+@pytest.mark.parametrize("layer,fused", [("eagle1", False), ("eagle1", True), ("eagle3", True)])
+@pytest.mark.parametrize("cache", ["dynamic", "prefix"])
+def test_head_steps_on_the_lean_loop_equal_transformers(layer, fused, cache):
+    """``EagleHead.run_lean``: decoding steps through decode/core/lean.py's loop compute what the head's
+    transformers stack computes (fused layer ops or PyTorch's), and its training forward stays transformers'."""
+    model = tiny_llama(layers=4, seed=6)
+    head = _head(model, fused=fused, layer=layer)
+    with torch.inference_mode():
+        want = _head_steps(head, cache)
+        assert head.run_lean(cache) is None and head.lean is not None
+        for ops in (True, False):
+            head.lean.fused = ops and glue_unusable(head.model) is None
+            got = _head_steps(head, cache)
+            for a, b in zip(want, got, strict=True):
+                torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert "static cache" in head.run_lean("static") and head.lean is None
 
 
 def test_fused_head_without_engine_rows_computes_its_layers():

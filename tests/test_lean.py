@@ -23,8 +23,8 @@ def _run(model, forward: str, cache: str, fused: bool = True) -> list[torch.Tens
     (``fused``: the lean loop on decode/core/kernels/glue.py's ops, else on PyTorch's)."""
     target = Target(model, forward=forward, cache=cache)
     if forward == "lean":
-        assert target.run.fused == (glue_unusable(model) is None)
-        target.run.fused = fused and target.run.fused
+        assert target.run.layers.fused == (glue_unusable(model) is None)
+        target.run.layers.fused = fused and target.run.layers.fused
     target.request_hidden((0, 1, -1))
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 64, (9,), generator=g).tolist()
@@ -111,7 +111,7 @@ def test_fused_ops_only_for_float32_cpu_targets():
     llama = tiny_llama(layers=1)
     assert glue_unusable(llama) is None or "building" in glue_unusable(llama)
     assert "float32 CPU kernels (the target is torch.bfloat16 on cpu)" in glue_unusable(llama.to(torch.bfloat16))
-    assert LeanForward(llama).fused is False
+    assert LeanForward(llama).layers.fused is False
 
 
 def test_resolve_forward_picks_refuses_or_announces(capsys):

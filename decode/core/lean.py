@@ -49,8 +49,14 @@ class LeanOutput:
 
 
 def lean_unusable(model, cache_kind: str, compile: bool = False) -> str | None:
-    """Why the lean forward cannot run ``model`` with this cache (None: it can)."""
-    cfg = model.config
+    """Why the lean forward cannot run ``model`` (a causal LM) with this cache (None: it can)."""
+    return stack_unusable(model.model, cache_kind, compile)
+
+
+def stack_unusable(inner, cache_kind: str, compile: bool = False) -> str | None:
+    """Why :class:`LeanLayers` cannot run the decoder stack ``inner`` (an HF ``LlamaModel``-like module: ``config``,
+    ``layers``, ``rotary_emb``) with this cache (None: it can)."""
+    cfg = inner.config
     if compile:
         return "--compile runs transformers' forward through torch.compile"
     if cache_kind not in ("dynamic", "prefix"):
@@ -66,7 +72,7 @@ def lean_unusable(model, cache_kind: str, compile: bool = False) -> str | None:
     attn = getattr(cfg, "_attn_implementation", None)
     if attn not in ("sdpa", GQA_ATTENTION):
         return f"attention '{attn}' (lean runs SDPA, as the engines' attention does)"
-    layer = model.model.layers[0]
+    layer = inner.layers[0]
     missing = [n for n in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp") if not hasattr(layer, n)]
     missing += [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(layer.self_attn, n)]
     if missing or hasattr(layer.self_attn, "q_norm"):
@@ -102,27 +108,24 @@ def resolve_forward(spec: str, model, cache_kind: str, compile: bool = False) ->
     return "hf"
 
 
-class LeanForward:
-    """Calls like the HF causal LM for the engines' forwards: ``input_ids`` [1, n], ``position_ids`` [1, n], an HF
-    cache, an optional 4-D additive ``attention_mask`` (a tree's; None = causal), ``output_hidden_states``,
-    ``logits_to_keep`` (0 = every position); ``use_cache`` is taken for the HF signature (the cache is always
-    written)."""
+class LeanLayers:
+    """An HF decoder stack's layers as one loop (the module docstring): ``x`` [1, n, d] in (embeddings, or what a
+    head's stack takes), the last layer's output out, every layer's output appended to ``states`` when given. A
+    layer that reads its input otherwise (EAGLE-3's first layer) says how with ``attention_input(x, norm)`` →
+    (what q/k/v read, the residual); a plain layer's is its input norm and ``x``."""
 
-    def __init__(self, model):
-        self.model = model
-        self.inner = model.model
-        self.float32_norms = next(model.parameters()).dtype == torch.float32
-        self.fused = glue_unusable(model) is None  # the layer's small ops as decode/core/kernels/glue.py's
-        mlp = self.inner.layers[0].mlp
-        self.silu_mlp = (getattr(model.config, "hidden_act", None) in ("silu", "swish")
+    def __init__(self, inner):
+        self.inner = inner
+        param = next(inner.parameters())
+        self.float32_norms = param.dtype == torch.float32
+        self.fused = glue_unusable(inner) is None  # the layer's small ops as decode/core/kernels/glue.py's
+        mlp = inner.layers[0].mlp
+        self.silu_mlp = (getattr(inner.config, "hidden_act", None) in ("silu", "swish")
                          and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")))
 
-    @property
-    def fused_mlp(self) -> bool:
-        """The MLP's activation fused too: a gated SiLU MLP (Llama's, Qwen2's)."""
-        return self.fused and self.silu_mlp
-
-    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if getattr(norm, "weight", None) is None:  # nn.Identity (a head without its input norm)
+            return norm(x)
         if self.fused:
             return glue.rms_norm(x, norm.weight, norm.variance_epsilon)
         if self.float32_norms:  # the same float32 ops as HF's RMSNorm, fused
@@ -145,33 +148,50 @@ class LeanForward:
         return o.reshape(1, q.shape[2], -1)
 
     def _mlp(self, mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-        if self.fused_mlp:
+        if self.fused and self.silu_mlp:
             return mlp.down_proj(glue.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
         return mlp(h)
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values,
-                 attention_mask: torch.Tensor | None = None, output_hidden_states: bool = False,
-                 logits_to_keep: int = 0, use_cache: bool = True) -> LeanOutput:
-        inner, n = self.inner, input_ids.shape[1]
-        x = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary_emb(x, position_ids)
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, past_key_values,
+                 attention_mask: torch.Tensor | None = None, states: list | None = None) -> torch.Tensor:
+        n = x.shape[1]
+        cos, sin = self.inner.rotary_emb(x, position_ids)
         start = past_key_values.get_seq_length()
         mask = attention_mask
         fused_attention = self.fused and n <= glue.ATTENTION_MAX_QUERIES
         if mask is None and n > 1 and (start > 0 or fused_attention):  # a chain: query i sees keys 0..start+i
             keys = torch.arange(start + n, device=x.device)
             mask = (keys[None, :] <= (start + torch.arange(n, device=x.device))[:, None])[None, None]
-        states = [x] if output_hidden_states else None
-        for i, layer in enumerate(inner.layers):
+        for i, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
-            h = self._norm(layer.input_layernorm, x)
+            custom = getattr(layer, "attention_input", None)
+            h, residual = custom(x, self.norm) if custom is not None else (self.norm(layer.input_layernorm, x), x)
             q, k = self._rope(attn.q_proj(h), attn.k_proj(h), cos, sin, (1, n, -1, attn.head_dim))
             k, v = past_key_values.update(k, attn.v_proj(h).view(1, n, -1, attn.head_dim).transpose(1, 2), i)
-            x = x + attn.o_proj(self._attend(attn, q, k, v, mask, fused_attention))
-            x = x + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x))
+            x = residual + attn.o_proj(self._attend(attn, q, k, v, mask, fused_attention))
+            x = x + self._mlp(layer.mlp, self.norm(layer.post_attention_layernorm, x))
             if states is not None:
                 states.append(x)
-        x = self._norm(inner.norm, x)
+        return x
+
+
+class LeanForward:
+    """Calls like the HF causal LM for the engines' forwards: ``input_ids`` [1, n], ``position_ids`` [1, n], an HF
+    cache, an optional 4-D additive ``attention_mask`` (a tree's; None = causal), ``output_hidden_states``,
+    ``logits_to_keep`` (0 = every position); ``use_cache`` is taken for the HF signature (the cache is always
+    written)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = LeanLayers(model.model)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values,
+                 attention_mask: torch.Tensor | None = None, output_hidden_states: bool = False,
+                 logits_to_keep: int = 0, use_cache: bool = True) -> LeanOutput:
+        inner = self.model.model
+        x = inner.embed_tokens(input_ids)
+        states = [x] if output_hidden_states else None
+        x = self.layers.norm(inner.norm, self.layers(x, position_ids, past_key_values, attention_mask, states))
         if states is not None:
             states[-1] = x  # HF's tuple ends with the normed final state in place of the last layer's output
         logits = self.model.lm_head(x if not logits_to_keep else x[:, -logits_to_keep:])

@@ -53,6 +53,7 @@ from torch import nn
 from ...common.errors import UserError
 from ...core.vocab import DraftVocab
 from ...core.hidden import check_hidden_layers
+from ...core.lean import LeanLayers, stack_unusable
 from .common import DraftVocabMixin, Head, base_model, build_stack, clone_layer, sub_config
 from .eagle3_layer import to_eagle3_layer
 
@@ -136,11 +137,20 @@ class EagleHead(DraftVocabMixin, Head):
             for q in self.norm.parameters():
                 q.requires_grad_(True)
         self._set_draft_vocab(draft_vocab, target)
+        self.lean: LeanLayers | None = None  # decoding steps' loop (run_lean)
         if draft_vocab is not None:
             out = target.get_output_embeddings()
             self.register_buffer("draft_weight", self.draft_rows(out.weight), persistent=False)
             self.register_buffer("draft_bias", None if getattr(out, "bias", None) is None
                                  else self.draft_rows(out.bias), persistent=False)
+
+    def run_lean(self, cache_kind: str) -> str | None:
+        """Decoding steps (no grad, with a cache) through decode/core/lean.py's loop over the head's layer instead of
+        transformers' model forward (its mask factory, hooks and dispatch: ~0.5 ms a step on a CPU), where that loop
+        can run this stack with this cache; returns why not (None: it will)."""
+        why = stack_unusable(self.model, cache_kind)
+        self.lean = LeanLayers(self.model) if why is None else None
+        return why
 
     @property
     def embed(self) -> nn.Module:
@@ -189,6 +199,9 @@ class EagleHead(DraftVocabMixin, Head):
         x = torch.cat([e.to(features.dtype), features], dim=-1)
         if self.layer == "eagle1":
             x = self.fc(x)
+        if (self.lean is not None and past_key_values is not None and use_cache and position_ids is not None
+                and not torch.is_grad_enabled()):  # a decoding step: the stack's layer as the lean loop
+            return self.lean(x, position_ids, past_key_values, attention_mask)
         out = self.model(inputs_embeds=x, attention_mask=attention_mask, past_key_values=past_key_values,
                          use_cache=use_cache, position_ids=position_ids)
         return out.last_hidden_state

@@ -28,11 +28,15 @@ class Eagle3FirstLayer:
 
     hidden_norm: nn.Module
 
+    def attention_input(self, hidden_states: torch.Tensor, norm=lambda module, x: module(x)):
+        """(what q/k/v read, the residual) of the input cat[embedding, feature]; ``norm(module, x)`` runs a norm (the
+        lean loop's, decode/core/lean.py, passes its own)."""
+        embeds, hidden = hidden_states.chunk(2, dim=-1)
+        return torch.cat([norm(self.input_layernorm, embeds), norm(self.hidden_norm, hidden)], dim=-1), hidden
+
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
-        embeds, hidden = hidden_states.chunk(2, dim=-1)
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        x, residual = self.attention_input(hidden_states)
         x, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=past_key_values, use_cache=use_cache,
                               position_embeddings=position_embeddings, **kwargs)

@@ -51,6 +51,8 @@ def _make(env: ArmEnv, path: str, L: Annotated[int, Range(1)] = 4, name: str | N
     head = env.once(("eagle", path, dtype), load, path=path)
     if env.target is not None:
         env.target.want_hidden = True
+        if env.target.forward_kind == "lean":  # the head's steps as the target's forwards run (decode/core/lean.py)
+            head.run_lean(env.cache)
     kw = dict(generator=env.generator, label=name, target=env.target, cache=env.cache)
     if tree == "dynamic" or K > 1:
         if tree == "dynamic":
