@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from decode.core.kernels.glue import glue_usable
 from helpers import run_main
 
 
@@ -62,6 +63,7 @@ def test_eval_runs_peers_interleaved_and_checked_against_hf(tiny_target_dir, tmp
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
     assert rep["config"]["cache"] == "dynamic" and rep["config"]["peers"] == ["hf-pld:L=3", "hf-early-exit:layers=1"]
+    assert rep["config"]["forward"] == "lean" and rep["config"]["fused_ops"] is (glue_usable() is None)
     assert "hf-early-exit:layers=1" in rep["config"]["peer_settings"]
     for m in ("hf-pld:L=3", "hf-early-exit:layers=1"):
         s = rep["summary"][m]
@@ -80,6 +82,9 @@ def test_eval_in_bfloat16_on_cpu(tiny_target_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
     assert rep["config"]["dtype"] == "bfloat16" and rep["summary"]["arm:pld@3"]["new_tokens"] > 0
+    assert rep["config"]["forward"] == "lean" and rep["config"]["fused_ops"] is False  # float32 kernels
+    assert "--forward auto: the lean loop runs PyTorch's ops between the linears (the fused layer ops are float32" \
+        in r.stderr
 
 
 def test_eval_sampling_mode_runs(tiny_target_dir, tmp_path):

@@ -103,6 +103,8 @@ def resolve_forward(spec: str, model, cache_kind: str, compile: bool = False) ->
         return "hf"
     why = lean_unusable(model, cache_kind, compile)
     if why is None:
+        if next(model.parameters()).device.type == "cpu" and (slow := glue_unusable(model)) is not None:
+            print(f"--forward {spec}: the lean loop runs PyTorch's ops between the linears ({slow})", file=sys.stderr)
         return "lean"
     if spec == "lean":
         raise UserError(f"--forward lean cannot run this target: {why}; use --forward hf (or auto)")

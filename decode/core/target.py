@@ -395,6 +395,11 @@ class Target:
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.hidden_size, self.num_layers = cfg.hidden_size, cfg.num_hidden_layers
 
+    @property
+    def fused_ops(self) -> bool | None:
+        """Whether the lean forward runs the fused layer ops (decode/core/kernels/glue.py); None on transformers'."""
+        return self.run.layers.fused if self.forward_kind == "lean" else None
+
     def request_hidden(self, layers) -> LayerSelector:
         """Ask for the hidden states of ``layers`` (ids as in :func:`~decode.core.hidden.check_hidden_layers`) in every
         forward and return the selector that reads them, in that order, from the :class:`HiddenStates` this

@@ -288,7 +288,7 @@ def evaluate(cfg: EvalConfig) -> int:
                   "peer_settings": {p.name: getattr(p, "settings", {}) for p in peers},
                   "environment": _environment(device), "compile": compile_info,
                   "linear_probe": engine.target.linear_probe, "attention_probe": engine.target.attention_probe,
-                  "forward": engine.target.forward_kind}
+                  "forward": engine.target.forward_kind, "fused_ops": engine.target.fused_ops}
     log = JsonlLog(cfg.records_path, keep_bytes=good_bytes if records else 0)
     try:
         if not records:

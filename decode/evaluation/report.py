@@ -323,6 +323,8 @@ def build_report(header: dict, records: list[dict]) -> tuple[dict, str]:
         config["compile_info"] = header["compile"]
     if header.get("forward"):  # what --forward resolved to (older reports: the flag as given, if anything)
         config["forward"] = header["forward"]
+    if header.get("fused_ops") is not None:
+        config["fused_ops"] = header["fused_ops"]
     for probe in ("linear_probe", "attention_probe"):
         if header.get(probe):
             config[probe] = header[probe]
