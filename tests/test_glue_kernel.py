@@ -1,7 +1,7 @@
 """decode/core/kernels/glue.py: the fused layer ops compute what PyTorch's and transformers' ops compute — RMSNorm,
-the gated SiLU and attention to float32 rounding, rotary embedding bit for bit — for the shapes a round gives them (one to a few dozen
-queries, grouped heads, head dims off the vector width, the cache's strided views, bool and additive masks), and
-refuse bad input with a message."""
+the gated SiLU and attention to float32 rounding, rotary embedding bit for bit — for the shapes a round gives them
+(one to a few dozen queries, grouped heads, head dims off the vector width, the cache's strided views, bool and
+additive masks), and refuse bad input with a message."""
 import pytest
 import torch
 import torch.nn.functional as F

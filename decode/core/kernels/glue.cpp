@@ -112,7 +112,7 @@ void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& 
 
 // exp: 2^m * p(r), m = round(x / ln 2), r = x - m ln 2 (split in two constants), p the Taylor polynomial of
 // degree 7 (|r| <= ln 2 / 2: relative error < 1e-8 before rounding); below -87 (exp < 2^-126) it is 0, as masked
-// keys must be, above 88.7 infinity.
+// keys must be; x is clamped at 88 (2^m stays a float), so 88 .. 88.72 give e^88, and past 88.72 it is infinity.
 inline vec exp_vec(vec x) {
   const vec lo = x < -87.f ? (vec){} - 87.f : x > 88.f ? (vec){} + 88.f : x;
   const vec shifter = (vec){} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
@@ -156,8 +156,8 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
 // Grouped-query attention of a few query rows: the query heads of one key/value head share its keys, so a head's
 // rows (query position i, head h of the group: row i * group + h) are scored together. Keys are transposed kLanes
 // at a time, so one vector holds kLanes keys' scores of a row (no horizontal sums); the weighted sum of values
-// keeps kPVRows rows' outputs in registers. Two parallel passes: scores per (kv head, half of the keys), then
-// softmax and the values per (kv head, half of the rows).
+// keeps a few rows' outputs in registers (values_task's RB). Two parallel passes: scores per (kv head, half of the
+// keys), then softmax and the values per (kv head, half of the rows).
 struct Attn {
   const float *q, *k, *v;
   int64_t k_head, k_row, v_head, v_row;  // strides of the cache views
@@ -292,8 +292,8 @@ constexpr ValuesFn kValues[kMaxDV + 1] = {
 // projection's output, roped), k and v [1, kv_heads, >= T, D] (the cache's views; rows of D contiguous), mask None
 // (every key) or [n, >= T] bool (True = attend) or float (added to the scores). Returns [n, heads * D], what o_proj
 // takes.
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                     int64_t heads, double scale) {
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& mask, int64_t heads, double scale) {
   check_float_cpu(q, "glue attention", "q");
   check_float_cpu(k, "glue attention", "k");
   check_float_cpu(v, "glue attention", "v");
@@ -302,6 +302,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   Attn a;
   a.D = q.size(1) / heads;
   const int64_t n = q.size(0), DV = a.D / kLanes;
+  TORCH_CHECK(n > 0, "glue attention: no queries");
   TORCH_CHECK(DV <= kMaxDV, "glue attention: head_dim ", a.D, " is over ", (kMaxDV + 1) * kLanes - 1);
   TORCH_CHECK(k.dim() == 4 && k.size(0) == 1 && k.size(3) == a.D && v.sizes() == k.sizes() && k.stride(3) == 1 &&
               v.stride(3) == 1, "glue attention: k and v must be [1, kv_heads, T, ", a.D, "] with rows of ", a.D,
@@ -336,8 +337,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   a.R = n * a.group;
   a.Tpad = (a.T + kLanes - 1) / kLanes * kLanes;
   a.scale = static_cast<float>(scale);
-  std::vector<float> scores(Hk * a.R * a.Tpad);
-  a.scores = scores.data();
+  at::Tensor scores = at::empty({Hk * a.R * a.Tpad}, q.options());  // every entry written by the scores pass
+  a.scores = scores.data_ptr<float>();
   at::Tensor out = at::empty({n, heads * a.D}, q.options());
   a.out = out.data_ptr<float>();
   // two shares of each kv head's keys, then of its rows: even work for two threads over Hk * 2 tasks
