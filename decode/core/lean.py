@@ -158,6 +158,8 @@ class LeanLayers:
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, past_key_values,
                  attention_mask: torch.Tensor | None = None, states: list | None = None) -> torch.Tensor:
+        if x.shape[0] != 1:
+            raise ValueError(f"the lean loop runs one sequence ([1, n, d]), got a batch of {x.shape[0]}")
         n = x.shape[1]
         cos, sin = self.inner.rotary_emb(x, position_ids)
         start = past_key_values.get_seq_length()

@@ -199,8 +199,8 @@ class EagleHead(DraftVocabMixin, Head):
         x = torch.cat([e.to(features.dtype), features], dim=-1)
         if self.layer == "eagle1":
             x = self.fc(x)
-        if (self.lean is not None and past_key_values is not None and use_cache and position_ids is not None
-                and not torch.is_grad_enabled()):  # a decoding step: the stack's layer as the lean loop
+        if (self.lean is not None and x.shape[0] == 1 and past_key_values is not None and use_cache
+                and position_ids is not None and not torch.is_grad_enabled()):  # a serial decoding step: the lean loop
             return self.lean(x, position_ids, past_key_values, attention_mask)
         out = self.model(inputs_embeds=x, attention_mask=attention_mask, past_key_values=past_key_values,
                          use_cache=use_cache, position_ids=position_ids)
