@@ -72,6 +72,35 @@ def test_lean_hidden_states_tuple_is_transformers_own():
             torch.testing.assert_close(b.logits, a.logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-ops", "torch-ops"])
+def test_lean_batched_block_equals_transformers_forward(fused):
+    """A batched round's block (decode/engine/batch.py): B rows over a shared cache under a per-row 4-D mask, every
+    hidden state and the logits as transformers computes them (the fused ops row-wise, the engine's attention)."""
+    from transformers import DynamicCache
+    model = gqa_attention_model(tiny_llama(layers=3, seed=4))
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 64, (2, 6), generator=g)
+    block = torch.randint(0, 64, (2, 3), generator=g)
+    allowed = torch.ones(2, 1, 3, 9, dtype=torch.bool)
+    allowed[..., 6:] = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    allowed[1, :, :, 2] = False  # row 1's padding slot
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    lean = LeanForward(model)
+    lean.layers.fused = fused and lean.layers.fused
+    outs = []
+    with torch.inference_mode():
+        for run in (model, lean):
+            cache = DynamicCache()
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+            pos = torch.arange(6, 9)[None].expand(2, 3)
+            outs.append(run(input_ids=block, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                            use_cache=True, output_hidden_states=True))
+    hf, ours = outs
+    torch.testing.assert_close(ours.logits, hf.logits, rtol=0, atol=1e-5)
+    for a, b in zip(hf.hidden_states, ours.hidden_states, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "prefix"])
 def test_engine_on_the_lean_forward_decodes_like_plain_greedy(cache):
     model = tiny_llama(layers=2, seed=3, peaked=4.0)

@@ -22,9 +22,11 @@ Which models: the Llama layout (:data:`LAYOUT_TYPES`) with full attention in eve
 per-head q/k norms (Qwen3) or any other layer type is left to transformers (:func:`lean_unusable` says why). The
 engines run it for the serial target's eager forwards (``--forward auto``, the default, where usable), and an EAGLE
 head's decoding steps then run its one-layer stack through the same loop (:class:`LeanLayers`;
-``EagleHead.run_lean``: 1.63x -> 1.66x plain ``generate`` with the shipped pool); the compiled static-cache forward
-and the batched engine keep transformers' forward. Outputs are checked against HF's forward (logits, every hidden
-state, the cache) in tests/test_lean.py and tests/test_eagle3.py, and every decode against plain greedy.
+``EagleHead.run_lean``: 1.63x -> 1.66x plain ``generate`` with the shipped pool). The batched engine's blocks run
+it too (B rows, or a ragged block's real slots: the fused ops row-wise, attention the engine's own, which scatters
+a ragged block; at B = 1 the shipped pool went from 1.18x to 1.41x plain ``generate``); the compiled static-cache
+forward keeps transformers'. Outputs are checked against HF's forward (logits, every hidden state, the cache) in
+tests/test_lean.py and tests/test_eagle3.py, and every decode against plain greedy.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..common.errors import UserError
+from . import ragged
 from .attention import NAME as GQA_ATTENTION, gqa_sdpa_attention
 from .kernels import glue
 
@@ -113,10 +116,11 @@ def resolve_forward(spec: str, model, cache_kind: str, compile: bool = False) ->
 
 
 class LeanLayers:
-    """An HF decoder stack's layers as one loop (the module docstring): ``x`` [1, n, d] in (embeddings, or what a
-    head's stack takes), the last layer's output out, every layer's output appended to ``states`` when given. A
-    layer that reads its input otherwise (EAGLE-3's first layer) says how with ``attention_input(x, norm)`` →
-    (what q/k/v read, the residual); a plain layer's is its input norm and ``x``."""
+    """An HF decoder stack's layers as one loop (the module docstring): ``x`` [B, n, d] in (embeddings, or what a
+    head's stack takes; a batched round's block, or its ragged ``[1, N, d]`` slots), the last layer's output out,
+    every layer's output appended to ``states`` when given. A layer that reads its input otherwise (EAGLE-3's first
+    layer) says how with ``attention_input(x, norm)`` → (what q/k/v read, the residual); a plain layer's is its input
+    norm and ``x``."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -149,7 +153,7 @@ class LeanLayers:
         if fused:
             return glue.attention(q, k, v, mask, attn.scaling)
         o, _ = gqa_sdpa_attention(attn, q, k, v, mask, scaling=attn.scaling)
-        return o.reshape(1, q.shape[2], -1)
+        return o.reshape(q.shape[0], q.shape[2], -1)
 
     def _mlp(self, mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
         if self.fused and self.silu_mlp:
@@ -158,22 +162,24 @@ class LeanLayers:
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, past_key_values,
                  attention_mask: torch.Tensor | None = None, states: list | None = None) -> torch.Tensor:
-        if x.shape[0] != 1:
-            raise ValueError(f"the lean loop runs one sequence ([1, n, d]), got a batch of {x.shape[0]}")
-        n = x.shape[1]
+        B, n = x.shape[0], x.shape[1]
         cos, sin = self.inner.rotary_emb(x, position_ids)
-        start = past_key_values.get_seq_length()
         mask = attention_mask
-        fused_attention = self.fused and n <= glue.ATTENTION_MAX_QUERIES
-        if mask is None and n > 1 and (start > 0 or fused_attention):  # a chain: query i sees keys 0..start+i
-            keys = torch.arange(start + n, device=x.device)
-            mask = (keys[None, :] <= (start + torch.arange(n, device=x.device))[:, None])[None, None]
+        # the fused attention takes one sequence; a batched block (B rows, or ragged: decode/core/ragged.py) and a
+        # prefill go to the engine's attention
+        fused_attention = self.fused and B == 1 and n <= glue.ATTENTION_MAX_QUERIES and ragged.active() is None
+        if mask is None and n > 1 and B == 1:  # a chain: query i sees keys 0..start+i
+            start = past_key_values.get_seq_length()
+            if start > 0 or fused_attention:
+                keys = torch.arange(start + n, device=x.device)
+                mask = (keys[None, :] <= (start + torch.arange(n, device=x.device))[:, None])[None, None]
         for i, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             custom = getattr(layer, "attention_input", None)
             h, residual = custom(x, self.norm) if custom is not None else (self.norm(layer.input_layernorm, x), x)
-            q, k = self._rope(attn.q_proj(h), attn.k_proj(h), cos, sin, (1, n, -1, attn.head_dim))
-            k, v = past_key_values.update(k, attn.v_proj(h).view(1, n, -1, attn.head_dim).transpose(1, 2), i)
+            shape = (B, n, -1, attn.head_dim)
+            q, k = self._rope(attn.q_proj(h), attn.k_proj(h), cos, sin, shape)
+            k, v = past_key_values.update(k, attn.v_proj(h).view(shape).transpose(1, 2), i)
             x = residual + attn.o_proj(self._attend(attn, q, k, v, mask, fused_attention))
             x = x + self._mlp(layer.mlp, self.norm(layer.post_attention_layernorm, x))
             if states is not None:

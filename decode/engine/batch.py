@@ -101,6 +101,7 @@ from ..core import ragged
 from ..core.attention import NAME as GQA_ATTENTION
 from ..core.cost import CostCurve
 from ..core.draft import Draft, Outcome, RoundRecord
+from ..core.lean import LeanForward, resolve_forward
 from ..core.tree import ancestor_matrix, draft_depth
 from ..core.linear import pack_arm_linears, packing_of
 from ..core.prefix_cache import PrefixCache
@@ -503,11 +504,13 @@ class BatchEngine:
     ``stock_model``: the target as loaded, when ``model`` runs packed linears (the arms' modules are then packed
     the same way, the stock target's never); ``seed``: the acceptance estimates' Thompson draws
     (:class:`Acceptance`); ``ragged``: blocks with padding are fed as their real slots where the target runs our
-    attention (decode/core/ragged.py; False: always padded)."""
+    attention (decode/core/ragged.py; False: always padded); ``forward``: how the blocks' forwards run, ``lean``
+    (decode/core/lean.py's loop over the model's modules, its fused layer ops where a block is one row), ``hf`` or
+    ``auto`` (lean where it can run)."""
 
     def __init__(self, model, make_arms: Callable[[], list[Arm]], make_policy: Callable[[int], Policy],
                  verifier: Verifier, eos_token_ids=(), pad_id: int = 0, compact_slack: int = 32,
-                 length: str = "fixed", stock_model=None, seed: int = 0, ragged: bool = True):
+                 length: str = "fixed", stock_model=None, seed: int = 0, ragged: bool = True, forward: str = "auto"):
         self.length, self.schedule, self.tiers = parse_length(length)
         self.ema_accepted: float | None = None  # accepted drafts per row-round, smoothed (length=ema)
         # seconds of one forward of the drafting modules (a catch-up, then one per draft position), smoothed over the
@@ -548,6 +551,8 @@ class BatchEngine:
         self.cost_at: dict[int, CostCurve] = {}
         self.acceptance = Acceptance(rng=random.Random(seed))  # Thompson draws (:class:`Acceptance`)
         self.model = model
+        self.forward_kind = resolve_forward(forward, model, "prefix")  # the row cache's layers are prefix layers
+        self.run = LeanForward(model) if self.forward_kind == "lean" else model  # what the blocks' forwards call
         self.compact_slack = compact_slack  # compact once the cache holds > the longest row + this many slots
         self.make_arms = make_arms
         self.make_policy = make_policy
@@ -1202,8 +1207,8 @@ class BatchEngine:
         if block is not None:  # the real slots only, row-major (decode/core/ragged.py)
             ids, pos = block.gather(ids), block.gather(pos)
         with torch.inference_mode(), ragged.running(None if block is None else block.to(self.device)):
-            out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
-                             past_key_values=self.cache.hf, use_cache=True, output_hidden_states=hidden)
+            out = self.run(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
+                           past_key_values=self.cache.hf, use_cache=True, output_hidden_states=hidden)
             logits, states = out.logits, out.hidden_states if hidden else None
             if block is not None:  # nothing reads a padding slot's logits; hidden states are scattered when read
                 logits = block.scatter(logits, fill=False)

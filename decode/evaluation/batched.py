@@ -52,6 +52,7 @@ from ..common.errors import UserError
 from ..common.device import DTYPES
 from ..common.io import JsonlLog, atomic_path, atomic_write_json, atomic_write_text
 from ..common.specs import parse_spec
+from ..core.lean import resolve_forward
 from ..core.models import eos_token_ids, load_model, pad_token_id
 from ..core.sampling import SamplingConfig
 from ..core.verify import Verifier
@@ -139,7 +140,7 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
         saved = {k: v for k, v in cfg.to_dict().items() if k not in ("fresh", "no_progress", "no_plots")}
         header = {"format": FORMAT, "config": saved, "prompts": keys, "methods": names,
                   "environment": environment, "linear": linear, "linear_probe": probes["linear"],
-                  "attention_probe": probes["attention"], "forward": "hf"}
+                  "attention_probe": probes["attention"], "forward": resolve_forward(cfg.forward, run, "prefix")}
     done = {(r["B"], r["segment"], r["method"]) for r in records if "B" in r}
     refs = {r["prompt_id"]: r["token_ids"] for r in records if r.get("kind") == "reference"}
 
@@ -165,7 +166,7 @@ def evaluate_batched(cfg, prompts, keys, environment) -> int:
                 carried.append(policy)
             return policy
         eng = BatchEngine(run, lambda: [build_arm(s, env) for s in m.arms], make_policy, verifier, eos,
-                          pad_id=pad, length=m.length, stock_model=model, seed=seed)
+                          pad_id=pad, length=m.length, stock_model=model, seed=seed, forward=header["forward"])
         if keep:
             engines[m.name] = eng
         return eng

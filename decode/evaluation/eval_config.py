@@ -220,8 +220,7 @@ class EvalConfig:
         early-exit layers), no peers, length controller, traces or compiling, and valid schedule and EMA tiers."""
         from ..engine.batch import parse_length
         for name, on in (("--peers", bool(self.peers)), ("--length", bool(self.length)),
-                         ("--record-traces", bool(self.record_traces)), ("--compile", self.compile),
-                         ("--forward lean", self.forward == "lean")):
+                         ("--record-traces", bool(self.record_traces)), ("--compile", self.compile)):
             if on:
                 raise UserError(f"{name} is not part of a batched evaluation (--batch): its methods are HF generate "
                                 f"batched and our batched rounds; drop {name} or --batch")

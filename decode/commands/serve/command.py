@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the verification forward (static cache)")
     p.add_argument("--linear", choices=LINEAR_KINDS, default="auto", help="as in `decode eval` (default: %(default)s)")
     p.add_argument("--forward", choices=FORWARD_KINDS, default="auto",
-                   help="as in `decode eval` (default: %(default)s; the batched engine runs transformers' forward)")
+                   help="as in `decode eval` (default: %(default)s)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
@@ -242,7 +242,7 @@ def batch_engine(args, specs: list[str], model, tok, engine):
     batch = BatchEngine(engine.target.model, make_arms,
                         lambda K: build_policy(args.policy, K, engine.max_len, seed=args.seed), engine.verifier,
                         engine.eos, pad_id=pad_token_id(tok, sorted(engine.eos)), length=args.batch_length,
-                        stock_model=model, seed=args.seed)
+                        stock_model=model, seed=args.seed, forward=engine.target.forward_kind)
     warm = encode_prompt(tok, "Hello")
     batch.generate([warm, warm], 4)
     return batch, make_arms

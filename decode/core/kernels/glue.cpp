@@ -71,12 +71,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
-// Rotary embedding in place on the q and k projections' outputs [.., n, heads * head_dim] (contiguous), with the
-// model's cos/sin [.., n, head_dim]: x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1) per head.
+// Rotary embedding in place on the q and k projections' outputs [.., n, heads * head_dim] (contiguous; [B, n, ..]
+// for B rows), with the model's cos/sin for the same rows [.., n, head_dim]: x * cos + rotate_half(x) * sin,
+// rotate_half(x) = cat(-x2, x1) per head.
 void rope_one(at::Tensor& x, const float* cp, const float* sp, int64_t n, int64_t D) {
   check_float_cpu(x, "glue rope_", "q/k");
-  TORCH_CHECK(x.is_contiguous() && x.size(-2) == n && x.size(-1) % D == 0, "glue rope_: q/k must be contiguous [.., ",
-              n, ", heads * ", D, "]");
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) % D == 0 && x.numel() / x.size(-1) == n,
+              "glue rope_: q/k must be contiguous [.., heads * ", D, "] with one row per row of cos (", n, ")");
   const int64_t heads = x.size(-1) / D, half = D / 2;
   float* xp = x.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
