@@ -39,7 +39,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..common.errors import UserError
 from . import ragged
-from .attention import NAME as GQA_ATTENTION, gqa_sdpa_attention
+from .attention import NAME as GQA_ATTENTION, _attention_shape, gqa_sdpa_attention
 from .kernels import glue
 
 FORWARD_KINDS = ("auto", "lean", "hf")
@@ -91,7 +91,7 @@ def glue_unusable(model) -> str | None:
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype != torch.float32:
         return f"the fused layer ops are float32 CPU kernels (the target is {param.dtype} on {param.device.type})"
-    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    head_dim = _attention_shape(model)[2]
     if head_dim > glue.MAX_HEAD_DIM:
         return f"head_dim {head_dim} is over the fused attention's {glue.MAX_HEAD_DIM}"
     return glue.glue_usable()
@@ -141,7 +141,8 @@ class LeanLayers:
         return norm(x)
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: tuple):
-        """The q and k projections' outputs ``[1, n, heads * D]``, rotated, as ``[1, heads, n, D]``."""
+        """The q and k projections' outputs ``[B, n, heads * D]``, rotated, as ``[B, heads, n, D]`` (``shape``: the
+        ``[B, n, heads, D]`` view)."""
         if self.fused:  # in place, then the views
             glue.rope_(q, k, cos, sin)
             return q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2)
@@ -149,7 +150,7 @@ class LeanLayers:
 
     def _attend(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 fused: bool) -> torch.Tensor:
-        """``[1, n, heads * D]``, what o_proj takes."""
+        """``[B, n, heads * D]``, what o_proj takes."""
         if fused:
             return glue.attention(q, k, v, mask, attn.scaling)
         o, _ = gqa_sdpa_attention(attn, q, k, v, mask, scaling=attn.scaling)
