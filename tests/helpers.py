@@ -83,3 +83,24 @@ def model_costs_only(monkeypatch):
     mostly noise): for tests that pin or check the model itself (tests/test_cost_calibration.py tests the
     correction). Autouse wherever a test module imports it: ``from helpers import model_costs_only  # noqa: F401``."""
     monkeypatch.setattr("decode.engine.batch.BatchEngine.calibration", lambda self, B, kind: 1.0)
+
+
+def train_eagle_briefly(model, head, steps=200, lr=1e-2, batch=8, length=24):
+    """Adam steps of the recipe's own loss (toolkit/train/eagle.py ``make_loss``) on random token texts (the head
+    learns the target's feature map from any text): agreement well above chance in about a second."""
+    from toolkit.train.eagle import EagleSection, EagleTrainModule, make_loss
+
+    module = EagleTrainModule(model, head)
+    loss_fn = make_loss(EagleSection(noise=0.0))
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    module.train()
+    for _ in range(steps):
+        ids = torch.randint(1, vocab, (batch, length), generator=g)
+        labels = torch.cat([torch.full((batch, 4), -100), ids[:, 4:]], 1)
+        loss, _ = loss_fn(module, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()

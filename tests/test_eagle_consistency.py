@@ -16,8 +16,8 @@ from decode.core.target import Target
 from decode.core.verify import Verifier
 from decode.core.vocab import DraftVocab
 from decode.engine.loop import SpecEngine
-from helpers import plain_greedy, tiny_llama
-from toolkit.train.eagle import EagleSection, EagleTrainModule, heldout_agreement, make_loss
+from helpers import plain_greedy, tiny_llama, train_eagle_briefly
+from toolkit.train.eagle import EagleTrainModule, heldout_agreement
 
 GREEDY = SamplingConfig()
 V = 64
@@ -67,24 +67,6 @@ def _training_side(model, head, pairs):
     return heldout_agreement(EagleTrainModule(model, head), _as_rows(pairs), progress=False, per_example=True)
 
 
-def _train_briefly(model, head, steps=200, lr=1e-2, batch=8, length=24):
-    """Adam steps of the recipe's own loss (toolkit/train/eagle.py ``make_loss``) on random token texts (the head
-    learns the target's feature map from any text): agreement well above chance in about a second."""
-    module = EagleTrainModule(model, head)
-    loss_fn = make_loss(EagleSection(noise=0.0))
-    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
-    g = torch.Generator().manual_seed(0)
-    module.train()
-    for _ in range(steps):
-        ids = torch.randint(1, V, (batch, length), generator=g)
-        labels = torch.cat([torch.full((batch, 4), -100), ids[:, 4:]], 1)
-        loss, _ = loss_fn(module, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return head.eval()
-
-
 def _assert_same(decode, train):
     assert decode.positions == train["positions"]
     for d, t in zip(decode.examples, train["per_example"]):
@@ -121,7 +103,7 @@ def trained(one_thread):
     model = tiny_llama(layers=2, seed=5, peaked=3.0)
     for p in model.parameters():
         p.requires_grad_(False)
-    head = _train_briefly(model, EagleHead(model))
+    head = train_eagle_briefly(model, EagleHead(model))
     # greedy answers, and random ones: on greedy text x_{t+1} is a function of f_t, so only other text shows
     # whether the head reads the right token
     return model, head, _examples(model, n_greedy=3, n_random=2, seed=11)
