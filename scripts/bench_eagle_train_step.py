@@ -1,7 +1,7 @@
 """Seconds of one EAGLE training step (loss + backward, the trainer's own ``make_loss``) on real answers.
 
     .venv/bin/python scripts/bench_eagle_train_step.py [--head pretrained/smollm2-135m-instruct/eagle]
-        [--rows 4] [--max-length 256] [--ttt 1,3,7] [--reps 5] [--online]
+        [--rows 4] [--max-length 256] [--ttt 1,3,7] [--reps 5] [--online] [--dtype bfloat16]
 
 What a CPU training minute buys: the shipped head (warm start, as ``make pretrained`` trains it) on ``--rows``
 shipped answers (pretrained/<target>/answers, round-robin over tasks, prompt + answer cut to ``--max-length``,
@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--online", action="store_true", help="run the target in every step instead of caching features")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the step's compute dtype (train.dtype: bfloat16 runs it under autocast)")
     args = p.parse_args(argv)
 
     import torch
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
     module = EagleTrainModule(target, head)
     tokens = int((inputs["labels"] != -100).sum())
     print(f"{args.rows} rows × ≤ {args.max_length} tokens ({tokens} answer tokens), features "
-          f"{'online' if args.online else 'cached'}, {torch.get_num_threads()} threads")
+          f"{'online' if args.online else 'cached'}, {args.dtype}, {torch.get_num_threads()} threads")
     for depth in (int(x) for x in args.ttt.split(",")):
         section = EagleSection(features="fused" if head.fused else "final", ttt_steps=depth, noise=0.0,
                                feature_layers=list(head.feature_layers) if head.fused else None,
@@ -68,7 +70,8 @@ def main(argv=None) -> int:
         for rep in range(args.reps + 1):
             head.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            loss, _ = loss_fn(module, inputs)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
+                loss, _ = loss_fn(module, inputs)
             loss.backward()
             if rep:
                 times.append(time.perf_counter() - t0)

@@ -215,7 +215,7 @@ def collect(engine, prompts: list[list[int]], max_new_tokens: int, progress: boo
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
-    ap.add_argument("--head", default="pretrained/smollm2-135m-instruct/eagle")
+    ap.add_argument("--head", default=str(REPO / "pretrained/smollm2-135m-instruct/eagle"))
     ap.add_argument("--suite", default=str(REPO.parent / "shared/data/spec_bench/question_dev.jsonl"))
     ap.add_argument("--limit", type=int, default=2, help="prompts per category (default %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
