@@ -221,6 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--L", type=int, default=7, help="tree depth (default %(default)s)")
     ap.add_argument("--topk", type=int, default=6, help="tokens a depth (default %(default)s)")
+    ap.add_argument("--expand", type=int, default=1,
+                    help="nodes a depth expanded (1: the greedy chain and its runner-ups, as the shipped pool drafts; "
+                         "EAGLE-2 expands topk)")
     ap.add_argument("--budgets", default="1,2,4,6,8,11,12,16,24", help="node budgets to score")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", help="also write the figures as JSON here")
@@ -241,7 +244,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--budgets: node budgets are >= 1, got {budgets[0]}")
     model, tok = load_model(args.target)
     suite = select(load_jsonl_suite(args.suite), None, args.limit)
-    spec = f"eagle:path={args.head},L={args.L},tree=dynamic,topk={args.topk},expand=1,nodes={args.L * args.topk}"
+    nodes = args.topk + (args.L - 1) * args.expand * args.topk  # every node the tree can grow
+    spec = f"eagle:path={args.head},L={args.L},tree=dynamic,topk={args.topk},expand={args.expand},nodes={nodes}"
     engine = build_engine(model, tok, [spec], SamplingConfig(), torch.Generator(), cache="prefix", linear="stock",
                           target_name=args.target)
     rounds = collect(engine, [encode_prompt(tok, p.text) for p in suite], args.max_new_tokens,
