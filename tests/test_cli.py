@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -298,8 +299,8 @@ def test_a_reader_closing_the_pipe_early_is_not_a_traceback():
 
 
 def test_decode_commands_build_without_the_serving_stack():
-    """`decode eval` must not need fastapi/uvicorn/prometheus (a GPU image without them, a training box): every
-    subcommand's parser imports its module, so only `decode serve` may load the HTTP stack, when it runs."""
+    """`decode eval` must not need fastapi/uvicorn/prometheus (a GPU image without them, a training box): only
+    `decode serve` may load the HTTP stack, when it runs."""
     import subprocess
     import sys
 
@@ -315,3 +316,20 @@ def test_decode_commands_build_without_the_serving_stack():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "usage: decode eval" in r.stdout
+
+
+@pytest.mark.parametrize("argv, out", [(["--help"], "usage: {prog} [-h]"), (["evl"], "invalid choice: 'evl'"),
+                                       ([], "the following arguments are required: command")])
+@pytest.mark.parametrize("prog", ["decode", "toolkit"])
+def test_the_command_list_and_a_mistyped_command_import_no_subcommand(prog, argv, out):
+    """`decode --help` or a mistyped command answers at once: no subcommand module (each pulls in torch and
+    transformers, 20-40 s on a 2-core machine) is imported to list them."""
+    cli = "decode.commands.cli" if prog == "decode" else "toolkit.cli"
+    code = (f"import sys\nfrom {cli} import COMMANDS, main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "loaded = sorted(m for m in sys.modules if m == 'torch' or m in {v[0] for v in COMMANDS.values()})\n"
+            "print('LOADED', loaded)\n")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert out.format(prog=prog) in r.stdout + r.stderr
+    assert "LOADED []" in r.stdout, r.stdout[-2000:]

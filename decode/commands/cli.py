@@ -42,12 +42,19 @@ def describe(doc: str | None, fallback: str) -> str:
 
 def dispatch(prog: str, description: str, commands: dict[str, tuple[str, str]], argv: list[str] | None = None,
              interrupted: str = "interrupted") -> int:
-    """Build one argparse sub-command per ``commands`` entry (lazily importing its module) and run it."""
+    """One argparse sub-command per ``commands`` entry; only the one named on the command line imports its module
+    (each pulls in torch and transformers: importing all of them made ``--help`` or a mistyped command take 20-40 s
+    on a 2-core machine), the others are listed by their help line."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)  # the top-level parser has no other options
     parser = argparse.ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, (mod_name, help_text) in commands.items():
+        if name != chosen:
+            sub.add_parser(name, help=help_text)
+            continue
         mod = importlib.import_module(mod_name)
         p = sub.add_parser(name, help=help_text, description=describe(mod.__doc__, help_text))
         mod.add_arguments(p)
