@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from decode.choose.length import LengthController  # noqa: E402
+from decode.core.tree import root_path  # noqa: E402
 
 CONFIDENCE_BINS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # upper edges; the last decile to 1
 
@@ -79,15 +80,7 @@ def accepted_depth(r: TreeRound, order: list[int], n: int) -> int:
     """Greedy verification of the tree cut to the first ``n`` nodes of ``order``: the deepest on-path node whose
     ancestors were all kept."""
     kept = set(order[:n])
-    best = 0
-    for i in kept:
-        if r.on_path[i] and r.depth[i] > best:
-            j = r.parents[i]
-            while j >= 0 and j in kept:
-                j = r.parents[j]
-            if j < 0:
-                best = r.depth[i]
-    return best
+    return max((r.depth[i] for i in kept if r.on_path[i] and kept.issuperset(root_path(r.parents, i))), default=0)
 
 
 def _cell(r: TreeRound, i: int) -> tuple[int, int, int]:
@@ -124,14 +117,9 @@ def reranked(r: TreeRound, estimate) -> list[int]:
 def tokens_per_round(rounds: list[TreeRound], budgets: list[int], estimate=None) -> dict[int, float]:
     """Mean of 1 + accepted depth over ``rounds`` at each node budget; nodes in the head's value order, or re-ranked
     by ``estimate``."""
-    out = {}
-    for n in budgets:
-        total = 0
-        for r in rounds:
-            order = list(range(len(r.tokens))) if estimate is None else reranked(r, estimate)
-            total += 1 + accepted_depth(r, order, n)
-        out[n] = total / len(rounds) if rounds else float("nan")
-    return out
+    orders = [list(range(len(r.tokens))) if estimate is None else reranked(r, estimate) for r in rounds]
+    return {n: sum(1 + accepted_depth(r, order, n) for r, order in zip(rounds, orders)) / len(rounds)
+            if rounds else float("nan") for n in budgets}
 
 
 def cross_validated(rounds: list[TreeRound], budgets: list[int]) -> dict[int, float]:

@@ -49,8 +49,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """In place on the q and k projections' outputs ``[1, n, heads * head_dim]``; ``cos``/``sin``: ``[1, n,
-    head_dim]``."""
+    """In place on the q and k projections' outputs ``[B, n, heads * head_dim]`` (contiguous); ``cos``/``sin``:
+    ``[B, n, head_dim]``, one row per row of q and k."""
     torch.ops.adaspec_glue.rope_(q, k, cos, sin)
 
 
